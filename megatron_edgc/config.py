@@ -1,0 +1,429 @@
+"""Validated run configuration: one dataclass per concern, YAML sections and flags 1:1.
+
+Every field is a knob with a default, a help line and (where it has one) a range. The
+YAML file has one section per dataclass (``model:``, ``parallel:``, ...) whose keys are
+the field names; each field is also a Megatron-style flag (``num_layers`` is
+``--num-layers``). Precedence: dataclass default < YAML < command line.
+
+Validation happens here, in one process, before any process group exists; every error
+is a :class:`ConfigError` whose message starts with the flag it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "configs", "tiny-cpu.yaml")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; ``str()`` is one line that starts with the flag."""
+
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+
+def knob(default: Any, help: str, *, min: Optional[float] = None, max: Optional[float] = None,
+         choices: Optional[tuple] = None, min_exclusive: bool = False):
+    """A dataclass field carrying its help text and allowed range."""
+    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices,
+                                                min_exclusive=min_exclusive))
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp) -> type:
+    """int for ``Optional[int]``, etc."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # annotations are strings under __future__
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def _check_ranges(section) -> None:
+    """Apply every field's declared type, range and choices."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if value is None:
+            continue
+        meta, flag = f.metadata, flag_of(f.name)
+        base = _base_type(f.type)
+        if base is bool and not isinstance(value, bool):
+            raise ConfigError(flag, f"must be true or false (got {value!r})")
+        if base in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or (base is int and not float(value).is_integer())):
+            raise ConfigError(flag, f"must be {'an integer' if base is int else 'a number'} "
+                                    f"(got {value!r})")
+        if base is int:
+            setattr(section, f.name, int(value))
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            raise ConfigError(flag, f"must be one of {', '.join(map(str, meta['choices']))} "
+                                    f"(got {value!r})")
+        lo, hi = meta.get("min"), meta.get("max")
+        if lo is not None and (value <= lo if meta.get("min_exclusive") else value < lo):
+            rng = f"({lo}, {hi if hi is not None else 'inf'}]" if meta.get("min_exclusive") else \
+                  f"[{lo}, {hi if hi is not None else 'inf'}]"
+            raise ConfigError(flag, f"must be in {rng} (got {value})")
+        if hi is not None and value > hi:
+            raise ConfigError(flag, f"must be in [{lo if lo is not None else '-inf'}, {hi}] "
+                                    f"(got {value})")
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 architecture: learned absolute positions, GeLU, LayerNorm, tied embeddings."""
+
+    num_layers: int = knob(4, "number of transformer layers", min=1)
+    hidden_size: int = knob(128, "hidden size", min=1)
+    num_attention_heads: int = knob(4, "attention heads", min=1)
+    ffn_hidden_size: Optional[int] = knob(None, "MLP hidden size (default 4 x hidden size)", min=1)
+    seq_length: int = knob(128, "training sequence length in tokens", min=2)
+    max_position_embeddings: Optional[int] = knob(
+        None, "learned position table size (default: seq length)", min=1)
+    hidden_dropout: float = knob(0.1, "dropout after attention and MLP", min=0.0, max=1.0)
+    attention_dropout: float = knob(0.1, "dropout on attention probabilities", min=0.0, max=1.0)
+    init_method_std: float = knob(0.02, "std of the normal weight init", min=0.0,
+                                  min_exclusive=True)
+    layernorm_epsilon: float = knob(1e-5, "LayerNorm epsilon", min=0.0, min_exclusive=True)
+    make_vocab_size_divisible_by: int = knob(
+        128, "pad the vocabulary to a multiple of this (times TP), as Megatron does", min=1)
+
+    def resolve(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError("--seq-length", f"must be <= --max-position-embeddings "
+                                              f"({self.max_position_embeddings}), got {self.seq_length}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("--hidden-size", f"must be divisible by --num-attention-heads "
+                                               f"({self.hidden_size} % {self.num_attention_heads} != 0)")
+
+
+@dataclass
+class ParallelConfig:
+    """The TP x PP x DP layout and Megatron DDP options."""
+
+    tensor_model_parallel_size: int = knob(1, "tensor-parallel size (TP)", min=1)
+    pipeline_model_parallel_size: int = knob(1, "pipeline-parallel size (PP)", min=1)
+    data_parallel_size: Optional[int] = knob(
+        None, "data-parallel size (DP); default: world size / (TP x PP)", min=1)
+    virtual_pipeline_model_parallel_size: Optional[int] = knob(
+        None, "model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B", min=1)
+    overlap_grad_reduce: bool = knob(False, "launch each DP bucket's reduction during backward")
+    use_distributed_optimizer: bool = knob(False, "shard optimizer state over DP (ZeRO-1)")
+    bucket_size: Optional[int] = knob(None, "DDP bucket size in elements (default: Megatron's)",
+                                      min=1)
+    distributed_backend: Optional[str] = knob(
+        None, "process-group backend (default: nccl with CUDA, gloo without)",
+        choices=("nccl", "gloo"))
+    master_port: Optional[int] = knob(
+        None, "rendezvous port for a plain local launch (default: a free port)", min=1, max=65535)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def resolve(self, world_size: Optional[int]) -> None:
+        """Fix DP from the world size (external launch) or the world size from DP (local)."""
+        mp = self.model_parallel_size
+        if world_size is None:  # plain launch: we spawn TP x PP x DP processes
+            if self.data_parallel_size is None:
+                self.data_parallel_size = 1
+            return
+        if self.data_parallel_size is None:
+            if world_size % mp:
+                raise ConfigError("--tensor-model-parallel-size",
+                                  f"TP x PP = {mp} does not divide the world size {world_size}")
+            self.data_parallel_size = world_size // mp
+        if mp * self.data_parallel_size != world_size:
+            raise ConfigError("--data-parallel-size",
+                              f"TP x PP x DP = {self.tensor_model_parallel_size} x "
+                              f"{self.pipeline_model_parallel_size} x {self.data_parallel_size} = "
+                              f"{mp * self.data_parallel_size} != world size {world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.model_parallel_size * (self.data_parallel_size or 1)
+
+
+@dataclass
+class TrainingConfig:
+    """Batches, iterations and Megatron's Adam with warm-up + cosine LR."""
+
+    micro_batch_size: int = knob(4, "sequences per micro-batch per DP rank", min=1)
+    global_batch_size: int = knob(16, "sequences per iteration over all DP ranks", min=1)
+    train_iters: int = knob(200, "training iterations", min=1)
+    lr: float = knob(1e-3, "peak learning rate", min=0.0)
+    min_lr: float = knob(1e-4, "final learning rate of the decay", min=0.0)
+    lr_warmup_iters: int = knob(20, "linear LR warm-up iterations", min=0)
+    lr_decay_iters: Optional[int] = knob(None, "LR decay length (default: --train-iters)", min=1)
+    lr_decay_style: str = knob("cosine", "LR decay after warm-up",
+                               choices=("cosine", "linear", "constant"))
+    weight_decay: float = knob(0.01, "AdamW weight decay", min=0.0)
+    clip_grad: float = knob(1.0, "gradient clipping by global norm (0 = off)", min=0.0)
+    adam_beta1: float = knob(0.9, "Adam beta1", min=0.0, max=1.0)
+    adam_beta2: float = knob(0.95, "Adam beta2", min=0.0, max=1.0)
+    adam_eps: float = knob(1e-8, "Adam epsilon", min=0.0, min_exclusive=True)
+    seed: int = knob(1234, "random seed (model init, dropout, data order)", min=0)
+    bf16: Optional[bool] = knob(None, "bf16 mixed precision (default: on with CUDA, off on CPU)")
+
+    def resolve(self) -> None:
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        if self.min_lr > self.lr:
+            raise ConfigError("--min-lr", f"must be <= --lr ({self.lr}), got {self.min_lr}")
+        if self.lr_warmup_iters >= self.lr_decay_iters:
+            raise ConfigError("--lr-warmup-iters", f"must be < --lr-decay-iters "
+                                                   f"({self.lr_decay_iters}), got {self.lr_warmup_iters}")
+
+
+@dataclass
+class DataConfig:
+    """A Megatron indexed dataset (.bin/.idx) and its tokenizer."""
+
+    data_path: Optional[str] = knob(
+        None, "prefix of the .bin/.idx made by scripts/prepare_data.py")
+    split: str = knob("949,50,1", "train,valid,test weights of the document split")
+    tokenizer_type: str = knob("GPT2BPETokenizer", "tokenizer", choices=("GPT2BPETokenizer",))
+    vocab_file: Optional[str] = knob(
+        None, "GPT-2 BPE ranks file (.tiktoken); default: the copy shipped by openai-whisper")
+    data_cache_path: Optional[str] = knob(
+        None, "where GPTDataset caches its sample indices (default: <data dir>/cache)")
+
+    def resolve(self) -> None:
+        if self.data_path is None:
+            raise ConfigError("--data-path", "is required (make one with scripts/prepare_data.py)")
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(self.data_path + ext):
+                raise ConfigError("--data-path", f"{self.data_path + ext} does not exist "
+                                                 f"(make it with scripts/prepare_data.py)")
+        try:
+            weights = [float(x) for x in self.split.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0 or weights[1] <= 0:
+            raise ConfigError("--split", f"must be three comma-separated non-negative weights "
+                                         f"train,valid,test with train and valid > 0 (got {self.split!r})")
+        if self.vocab_file is None:
+            from megatron_edgc.training.tokenizer import default_gpt2_vocab_file
+            self.vocab_file = default_gpt2_vocab_file()
+        if not os.path.isfile(self.vocab_file):
+            raise ConfigError("--vocab-file", f"{self.vocab_file} does not exist")
+        if self.data_cache_path is None:
+            self.data_cache_path = os.path.join(os.path.dirname(os.path.abspath(self.data_path)),
+                                                "cache")
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss and perplexity."""
+
+    eval_interval: int = knob(50, "evaluate every this many iterations (and at the end)", min=1)
+    eval_iters: int = knob(10, "validation batches (of the global batch size) per evaluation",
+                           min=1)
+
+
+@dataclass
+class LoggingConfig:
+    """Progress line, JSONL metrics and TensorBoard."""
+
+    log_interval: int = knob(10, "print a progress line every this many iterations", min=1)
+    metrics_file: Optional[str] = knob(None, "JSONL file, one record per iteration")
+    tensorboard_dir: Optional[str] = knob(None, "TensorBoard event directory")
+
+    def resolve(self) -> None:
+        for flag, path in (("--metrics-file", self.metrics_file),
+                           ("--tensorboard-dir", self.tensorboard_dir)):
+            if path is None:
+                continue
+            parent = os.path.dirname(os.path.abspath(path)) if flag == "--metrics-file" else \
+                os.path.abspath(path)
+            probe = parent
+            while not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+            if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+                raise ConfigError(flag, f"{path} cannot be written ({probe} is not a writable "
+                                        f"directory)")
+            if flag == "--metrics-file" and os.path.isdir(path):
+                raise ConfigError(flag, f"{path} is a directory")
+
+
+@dataclass
+class CheckpointConfig:
+    """Save and resume: model, optimizer, LR schedule, data position, RNG states."""
+
+    save: Optional[str] = knob(None, "checkpoint directory to save into")
+    save_interval: Optional[int] = knob(
+        None, "save every this many iterations (and at the end); needs --save", min=1)
+    load: Optional[str] = knob(None, "checkpoint directory to resume from (latest iteration)")
+
+    def resolve(self) -> None:
+        if self.save_interval is not None and self.save is None:
+            raise ConfigError("--save-interval", "needs --save")
+        if self.load is not None and not os.path.isdir(self.load):
+            raise ConfigError("--load", f"{self.load} is not a directory")
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; sections map to YAML sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    config_file: Optional[str] = None
+    allow_untested_megatron: bool = False
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.parallel.data_parallel_size)
+
+    def sections(self):
+        for f in dataclasses.fields(self):
+            if f.name not in ("config_file", "allow_untested_megatron"):
+                yield f.name, getattr(self, f.name)
+
+    def validate(self, world_size: Optional[int] = None) -> "RunConfig":
+        """Check every value and the cross-section rules; fill derived defaults.
+
+        ``world_size`` is the launcher's (torchrun/srun) or None for a plain local launch.
+        """
+        for _, section in self.sections():
+            _check_ranges(section)
+        self.model.resolve()
+        self.parallel.resolve(world_size)
+        self.training.resolve()
+        self.data.resolve()
+        self.logging.resolve()
+        self.checkpoint.resolve()
+
+        m, p, t = self.model, self.parallel, self.training
+        tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+            p.data_parallel_size
+        if m.num_attention_heads % tp:
+            raise ConfigError("--num-attention-heads", f"must be divisible by "
+                                                       f"--tensor-model-parallel-size ({m.num_attention_heads} % {tp} != 0)")
+        if m.ffn_hidden_size % tp:
+            raise ConfigError("--ffn-hidden-size", f"must be divisible by "
+                                                   f"--tensor-model-parallel-size ({m.ffn_hidden_size} % {tp} != 0)")
+        vp = p.virtual_pipeline_model_parallel_size
+        if vp is not None:
+            if pp < 2:
+                raise ConfigError("--virtual-pipeline-model-parallel-size",
+                                  "needs --pipeline-model-parallel-size >= 2")
+            if m.num_layers % (pp * vp):
+                raise ConfigError("--num-layers", f"must be divisible by PP x virtual stages "
+                                                  f"({pp} x {vp}); got {m.num_layers}")
+        elif m.num_layers % pp:
+            raise ConfigError("--num-layers", f"must be divisible by "
+                                              f"--pipeline-model-parallel-size ({pp}); got {m.num_layers}")
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ConfigError("--global-batch-size",
+                              f"must be a multiple of micro batch x DP = {t.micro_batch_size} x {dp}"
+                              f" = {t.micro_batch_size * dp}; got {t.global_batch_size}")
+        if pp > 1 and self.num_microbatches < pp:
+            raise ConfigError("--global-batch-size",
+                              f"gives {self.num_microbatches} micro-batches per iteration; 1F1B "
+                              f"needs at least PP = {pp} (raise it to >= "
+                              f"{pp * t.micro_batch_size * dp})")
+        if vp is not None and self.num_microbatches % pp:
+            raise ConfigError("--global-batch-size",
+                              f"interleaved 1F1B needs the micro-batch count "
+                              f"({self.num_microbatches}) to be a multiple of PP ({pp})")
+        if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
+            raise ConfigError("--bucket-size", "must be >= 1")
+        return self
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(section) for name, section in self.sections()}
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _all_fields(cfg: RunConfig):
+    for section_name, section in cfg.sections():
+        for f in dataclasses.fields(section):
+            yield section_name, f
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="GPT-2 pretraining on megatron-core with EDGC gradient compression.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help="YAML config; flags below override its values")
+    parser.add_argument("--allow-untested-megatron", action="store_true",
+                        help="run on a megatron-core version the patches were not tested with")
+    seen = set()
+    groups = {}
+    for section_name, f in _all_fields(RunConfig()):
+        flag = flag_of(f.name)
+        assert flag not in seen, f"duplicate flag {flag}"
+        seen.add(flag)
+        group = groups.setdefault(section_name, parser.add_argument_group(section_name))
+        base = _base_type(f.type)
+        meta = f.metadata
+        kwargs = dict(dest=f"{section_name}.{f.name}", default=argparse.SUPPRESS,
+                      help=f"{meta['help']} (default {f.default})")
+        if base is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(flag, type=base, metavar=base.__name__.upper(),
+                               **({"choices": meta["choices"]} if meta.get("choices") else {}),
+                               **kwargs)
+    return parser
+
+
+def _apply_yaml(cfg: RunConfig, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError("--config", f"{path} does not exist")
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", f"{path} is not valid YAML: {str(exc).splitlines()[0]}")
+    if not isinstance(doc, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of sections")
+    sections = dict(cfg.sections())
+    for section_name, values in doc.items():
+        if section_name not in sections:
+            raise ConfigError("--config", f"{path}: unknown section {section_name!r} "
+                                          f"(known: {', '.join(sections)})")
+        section = sections[section_name]
+        names = {f.name for f in dataclasses.fields(section)}
+        for key, value in (values or {}).items():
+            if key not in names:
+                raise ConfigError("--config", f"{path}: unknown key {section_name}.{key}")
+            setattr(section, key, value)
+
+
+def parse_config(argv=None, world_size: Optional[int] = None) -> RunConfig:
+    """YAML (``--config``) + flag overrides → a validated :class:`RunConfig`."""
+    args = build_arg_parser().parse_args(argv)
+    cfg = RunConfig(config_file=args.config, allow_untested_megatron=args.allow_untested_megatron)
+    _apply_yaml(cfg, args.config)
+    sections = dict(cfg.sections())
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section_name, name = dest.split(".", 1)
+            setattr(sections[section_name], name, value)
+    return cfg.validate(world_size)

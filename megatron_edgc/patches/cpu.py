@@ -1,0 +1,172 @@
+"""Run megatron-core 0.16.1 on CPU processes with gloo.
+
+megatron-core assumes CUDA in a handful of places (listed with file:line in
+shared/FINDINGS.md): tensors created with ``device='cuda'`` or
+``device=torch.cuda.current_device()``, ``param.type() == 'torch.cuda.FloatTensor'``
+checks, ``torch.cuda.synchronize()`` and the CUDA RNG tracker. Without CUDA we make the
+CPU play the accelerator: factory functions map a CUDA device to the CPU, ``Tensor.type()``
+names CPU tensors as their CUDA counterparts, synchronize is a no-op and the RNG tracker
+forks CPU generator states. Applied once, before the model and optimizer are built, and
+only when CUDA is absent; with CUDA nothing here runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: megatron-core versions these shims (and the other patches) were written and tested for.
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+              "empty_strided", "as_tensor", "linspace")
+_applied = False
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def check_megatron_version(allow_untested: bool = False) -> str:
+    """Refuse a megatron-core version the patches were not tested against."""
+    version = megatron_core_version()
+    if version not in TESTED_MEGATRON_CORE_VERSIONS:
+        msg = (f"megatron-core {version} is untested with megatron_edgc (tested: "
+               f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}); pin megatron-core=="
+               f"{TESTED_MEGATRON_CORE_VERSIONS[-1]} or pass --allow-untested-megatron")
+        if not allow_untested:
+            raise UnsupportedMegatronVersion(msg)
+        logger.warning(msg)
+    return version
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # an ordinal means a CUDA device
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper.__edgc_cpu_shim__ = True
+    return wrapper
+
+
+def _cuda_named_type(original):
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    return type_
+
+
+class CpuRNGStatesTracker:
+    """Megatron's ``CudaRNGStatesTracker`` with CPU generator states.
+
+    ``fork(name)`` swaps the default CPU generator to the named stream (e.g. the
+    model-parallel stream that gives each TP rank its own dropout mask) and back.
+    """
+
+    def __init__(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self):
+        return True
+
+    def reset(self):
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states):
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def install_cpu_rng_tracker() -> CpuRNGStatesTracker:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return tracker
+
+
+def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0,
+                                   etp_rank: int = 0) -> None:
+    """CPU counterpart of ``model_parallel_cuda_manual_seed`` (same stream offsets)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 2718 + 100 + ep_rank * 1000 + etp_rank)
+
+
+def apply_cpu_shims(allow_untested: bool = False) -> bool:
+    """Install the shims if CUDA is absent; returns whether they are active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    check_megatron_version(allow_untested)
+    for name in _FACTORIES:
+        fn = getattr(torch, name)
+        if not getattr(fn, "__edgc_cpu_shim__", False):
+            setattr(torch, name, _cpu_factory(fn))
+    torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    install_cpu_rng_tracker()
+    _applied = True
+    return True

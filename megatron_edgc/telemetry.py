@@ -1,0 +1,79 @@
+"""Telemetry as data: one JSONL record per iteration, the same scalars in TensorBoard.
+
+Plots and summaries are made from these records, never the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+
+class MetricsWriter:
+    """Writes records on the logging rank; a no-op elsewhere."""
+
+    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                 enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self._fh = None
+        self._tb = None
+        if not enabled:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self._fh = open(metrics_file, "a" if append else "w", buffering=1)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self._fh is not None:
+            self._fh.write(json.dumps(record, default=_jsonable) + "\n")
+        if self._tb is not None:
+            step = record["iteration"]
+            for key, value in record.items():
+                if key == "iteration":
+                    continue
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+                elif isinstance(value, (list, tuple)):
+                    for i, v in enumerate(value):
+                        if isinstance(v, (int, float)) and math.isfinite(v):
+                            self._tb.add_scalar(f"{key}/stage{i}", v, step)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+
+def _jsonable(obj):
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def format_progress(it: int, total: int, rec: dict) -> str:
+    parts = [f"iteration {it:>6d}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.3e}",
+             f"{rec['iter_ms']:8.1f} ms/iter", f"{rec['tokens_per_s']:9.0f} tok/s",
+             f"grad norm {rec['grad_norm']:.3f}"]
+    if rec.get("skipped"):
+        parts.append("skipped")
+    return " | ".join(parts)

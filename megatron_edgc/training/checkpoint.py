@@ -1,0 +1,166 @@
+"""Checkpoints: model, optimizer, LR schedule, data position and every rank's RNG states.
+
+Layout (one directory per saved iteration)::
+
+    <save>/iter_0000100/model_optim_tp00_pp000.pt   model chunks + optimizer + scheduler,
+                                                     written by DP rank 0 of each (TP, PP)
+    <save>/iter_0000100/distrib_optim_tp00_pp000.pt distributed-optimizer parameter state
+    <save>/iter_0000100/rank_state_00003.pt          per-rank state (RNG; extensions)
+    <save>/latest_checkpointed_iteration.txt         written last
+
+An iteration directory is written under a temporary name and renamed once every rank
+has finished, and the ``latest`` pointer is updated after that, so a crash during a save
+never leaves a loadable half-checkpoint. The data position is the iteration itself
+(:class:`~megatron_edgc.training.data.MicroBatchStream` is addressed by iteration).
+
+Extensions (the gradient compressor, the rank controller) register themselves with
+:func:`register_rank_state` and are saved and restored with every rank's state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Callable, Optional
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state, tensor_parallel
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest_iteration(root: str) -> Optional[int]:
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"--load: {path} does not hold an iteration number ({text[:40]!r})")
+    return int(text)
+
+
+def _layout_names(iteration_path: str) -> tuple[str, str, str]:
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    tag = f"tp{tp:02d}_pp{pp:03d}"
+    rank = dist.get_rank()
+    return (os.path.join(iteration_path, f"model_optim_{tag}.pt"),
+            os.path.join(iteration_path, f"distrib_optim_{tag}.pt"),
+            os.path.join(iteration_path, f"rank_state_{rank:05d}.pt"))
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": numpy.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# name -> (state_dict fn, load_state_dict fn); per-rank state of extensions.
+_RANK_STATE: dict[str, tuple[Callable[[], dict], Callable[[dict], None]]] = {}
+
+
+def register_rank_state(name: str, save: Callable[[], dict], load: Callable[[dict], None]):
+    _RANK_STATE[name] = (save, load)
+
+
+def unregister_rank_state(name: str) -> None:
+    _RANK_STATE.pop(name, None)
+
+
+def layout_of(cfg) -> dict:
+    p = cfg.parallel
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "dp": p.data_parallel_size, "vp": p.virtual_pipeline_model_parallel_size,
+            "distributed_optimizer": p.use_distributed_optimizer}
+
+
+def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
+    """Collective: every rank calls it. Returns the final iteration directory."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_file, distopt_file, rank_file = _layout_names(tmp)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if cfg.parallel.use_distributed_optimizer:
+        bundle.optimizer.save_parameter_state(distopt_file)  # collective over DP
+    if dp_rank == 0:
+        torch.save({"iteration": iteration,
+                    "model": [chunk.state_dict() for chunk in bundle.chunks],
+                    "optimizer": bundle.optimizer.state_dict(),
+                    "scheduler": bundle.scheduler.state_dict(),
+                    "layout": layout_of(cfg),
+                    "config": cfg.to_dict()}, model_file)
+    torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
+                "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
+               rank_file)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = os.path.join(root, LATEST)
+        with open(pointer + ".tmp", "w") as fh:
+            fh.write(str(iteration))
+        os.replace(pointer + ".tmp", pointer)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, bundle, cfg) -> int:
+    """Collective. Restores everything and returns the iteration to continue from."""
+    iteration = read_latest_iteration(root)
+    if iteration is None:
+        raise CheckpointError(f"--load: no {LATEST} in {root}")
+    path = iteration_dir(root, iteration)
+    model_file, distopt_file, rank_file = _layout_names(path)
+    for f in (model_file, rank_file):
+        if not os.path.isfile(f):
+            raise CheckpointError(f"--load: {f} is missing (saved with another layout?)")
+    try:
+        state = torch.load(model_file, map_location="cpu", weights_only=False)
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"--load: {model_file} cannot be read: {exc}") from exc
+    saved, ours = state.get("layout"), layout_of(cfg)
+    if saved != ours:
+        raise CheckpointError(f"--load: checkpoint layout {saved} differs from this run's {ours}")
+    for chunk, sd in zip(bundle.chunks, state["model"]):
+        chunk.load_state_dict(sd, strict=True)
+    bundle.optimizer.load_state_dict(state["optimizer"])
+    if cfg.parallel.use_distributed_optimizer:
+        bundle.optimizer.load_parameter_state(distopt_file)
+    bundle.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(rank_state["rng"])
+    for name, (_, load) in _RANK_STATE.items():
+        if name in rank_state["extensions"]:
+            load(rank_state["extensions"][name])
+    dist.barrier()
+    return iteration

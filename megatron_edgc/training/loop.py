@@ -1,0 +1,280 @@
+"""The training loop: one worker process of a TP x PP x DP job.
+
+Reads top to bottom like Megatron's ``pretrain``: process groups → seeds → data → model,
+DDP, optimizer → (resume) → for each iteration: forward/backward over the micro-batches
+with megatron-core's schedule (1F1B, or interleaved with virtual stages), DP gradient
+sync, optimizer step, LR step → telemetry, evaluation, checkpoint → summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
+from megatron_edgc.telemetry import MetricsWriter, format_progress
+from megatron_edgc.training import checkpoint as ckpt
+from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
+from megatron_edgc.training.model import build_model_and_optimizer
+from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
+
+
+def log0(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+class Trainer:
+    """State of one worker; ``run()`` trains and returns the summary (logging rank)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu \
+            else torch.device("cpu")
+        self.bf16 = cfg.training.bf16 if cfg.training.bf16 is not None else self.on_gpu
+        p = cfg.parallel
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.is_logger = (self.is_last_stage and self.dp_rank == 0
+                          and parallel_state.get_tensor_model_parallel_rank() == 0)
+        self._seed(cfg.training.seed)
+
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
+        self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size,
+                                            cfg.model.make_vocab_size_divisible_by,
+                                            p.tensor_model_parallel_size)
+        self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
+        self._wire_model_config()
+
+        t, e = cfg.training, cfg.eval
+        gbs = t.global_batch_size
+        evals = t.train_iters // e.eval_interval + 1
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            cfg, self.tokenizer, (t.train_iters * gbs, e.eval_iters * gbs * evals, gbs))
+        nmb = cfg.num_microbatches
+        self.train_stream = MicroBatchStream(train_ds, t.micro_batch_size, nmb, self.dp_rank,
+                                             p.data_parallel_size)
+        self.valid_stream = MicroBatchStream(valid_ds, t.micro_batch_size, nmb, self.dp_rank,
+                                             p.data_parallel_size)
+        self.forward_backward = get_forward_backward_func()
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _seed(self, seed: int) -> None:
+        # Megatron's scheme: a different stream per pipeline stage, equal over DP.
+        seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+        random.seed(seed)
+        numpy.random.seed(seed)
+        torch.manual_seed(seed)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        if self.on_gpu:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
+        else:
+            model_parallel_cpu_manual_seed(seed, tp_rank)
+
+    def _wire_model_config(self) -> None:
+        """What Megatron-LM's ``train()`` sets on the model config for the schedules."""
+        chunks, config = self.bundle.chunks, self.bundle.config
+        config.grad_scale_func = self.bundle.optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        if self.cfg.parallel.overlap_grad_reduce:
+            no_sync = [c.no_sync for c in chunks]
+            config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
+            if len(chunks) > 1:
+                config.grad_sync_func = [c.start_grad_sync for c in chunks]
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True).float()
+        output = model(tokens, position_ids, None, labels=labels)
+
+        def loss_func(output_tensor):
+            mask = loss_mask.view(-1)
+            loss = torch.sum(output_tensor.float().view(-1) * mask) / mask.sum().clamp(min=1)
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    def _run_schedule(self, stream: MicroBatchStream, index: int, forward_only: bool) -> list:
+        n_chunks = len(self.bundle.chunks)
+        iters = [iter(stream.micro_batches(index)) for _ in range(n_chunks)]
+        t, m = self.cfg.training, self.cfg.model
+        return self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iters if n_chunks > 1 else iters[0],
+            model=self.bundle.chunks if n_chunks > 1 else self.bundle.chunks[0],
+            num_microbatches=self.cfg.num_microbatches,
+            seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=m.seq_length, forward_only=forward_only)
+
+    def _dp_mean_loss(self, losses: list) -> float:
+        """Mean of the micro-batch losses on the last stage, averaged over DP; NaN elsewhere."""
+        if not self.is_last_stage:
+            return float("nan")
+        value = torch.stack([d["lm loss"].float() for d in losses]).mean().to(self.device)
+        dist.all_reduce(value, group=self.dp_group)
+        return value.item() / self.cfg.parallel.data_parallel_size
+
+    def train_step(self) -> dict:
+        for chunk in self.bundle.chunks:
+            chunk.zero_grad_buffer()
+        self.bundle.optimizer.zero_grad()
+        losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
+        update_ok, grad_norm, _ = self.bundle.optimizer.step()
+        if update_ok:
+            self.bundle.scheduler.step(increment=1)
+        return {"loss": self._dp_mean_loss(losses),
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "skipped": not update_ok}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        for chunk in self.bundle.chunks:
+            chunk.eval()
+        values = []
+        for k in range(self.cfg.eval.eval_iters):
+            values.append(self._dp_mean_loss(self._run_schedule(self.valid_stream, k, True)))
+        for chunk in self.bundle.chunks:
+            chunk.train()
+        return float(numpy.mean(values))
+
+    def _sync(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
+        if ck.load:
+            self.iteration = ckpt.load_checkpoint(ck.load, self.bundle, cfg)
+            log0(f"resumed from {ck.load} at iteration {self.iteration}")
+        writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, self.is_logger,
+                               append=bool(ck.load))
+        tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+        history = []
+        val_loss = None
+        start_time = time.perf_counter()
+        try:
+            while self.iteration < t.train_iters:
+                self._sync()
+                t0 = time.perf_counter()
+                step = self.train_step()
+                self._sync()
+                iter_ms = (time.perf_counter() - t0) * 1e3
+                self.iteration += 1
+                record = {"iteration": self.iteration, "loss": step["loss"],
+                          "lr": self.bundle.optimizer.param_groups[0]["lr"],
+                          "iter_ms": iter_ms, "tokens": tokens_per_iter,
+                          "tokens_per_s": tokens_per_iter / (iter_ms / 1e3),
+                          "grad_norm": step["grad_norm"], "skipped": step["skipped"]}
+                if self.iteration % cfg.eval.eval_interval == 0 \
+                        or self.iteration == t.train_iters:
+                    val_loss = self.evaluate()
+                    record["val_loss"] = val_loss
+                    record["val_ppl"] = math.exp(min(val_loss, 50.0))
+                history.append(record)
+                writer.write(record)
+                if self.is_logger and (self.iteration % lg.log_interval == 0
+                                       or self.iteration == t.train_iters):
+                    line = format_progress(self.iteration, t.train_iters, record)
+                    if "val_loss" in record:
+                        line += f" | val loss {val_loss:.4f} | val ppl {record['val_ppl']:.2f}"
+                    print(line, flush=True)
+                if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                    ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
+            if ck.save and (not ck.save_interval or self.iteration % ck.save_interval):
+                ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
+        finally:
+            writer.close()
+        summary = summarize(history, val_loss, time.perf_counter() - start_time, cfg)
+        if self.is_logger:
+            print(format_summary(summary), flush=True)
+            if lg.metrics_file:
+                with open(os.path.splitext(lg.metrics_file)[0] + ".summary.json", "w") as fh:
+                    json.dump(summary, fh, indent=2)
+        return summary
+
+
+def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
+    """Final figures; ms/iter excludes the first iterations (warm-up of caches)."""
+    steady = history[min(3, max(0, len(history) - 1)):] if history else []
+    ms = [r["iter_ms"] for r in steady]
+    return {
+        "iterations": history[-1]["iteration"] if history else 0,
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": float(numpy.mean([r["loss"] for r in history[-10:]])) if history else None,
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
+        "ms_per_iter": float(numpy.mean(ms)) if ms else None,
+        "tokens_per_s": float(numpy.mean([r["tokens_per_s"] for r in steady])) if steady else None,
+        "wall_s": wall_s,
+        "layout": f"TP{cfg.parallel.tensor_model_parallel_size}·"
+                  f"PP{cfg.parallel.pipeline_model_parallel_size}·"
+                  f"DP{cfg.parallel.data_parallel_size}",
+    }
+
+
+def format_summary(s: dict) -> str:
+    def f(v, spec):
+        return "n/a" if v is None else format(v, spec)
+
+    return ("summary | " + " | ".join([
+        f"{s['layout']}", f"{s['iterations']} iterations",
+        f"loss {f(s['first_loss'], '.4f')} -> {f(s['final_loss'], '.4f')}",
+        f"val loss {f(s['val_loss'], '.4f')}", f"val ppl {f(s['val_ppl'], '.2f')}",
+        f"{f(s['ms_per_iter'], '.1f')} ms/iter", f"{f(s['tokens_per_s'], '.0f')} tok/s",
+        f"wall {s['wall_s']:.1f} s"]))
+
+
+def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
+    """Entry of one training process (spawned locally, or started by torchrun/srun)."""
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    else:
+        apply_cpu_shims(cfg.allow_untested_megatron)
+    backend = cfg.parallel.distributed_backend or ("nccl" if on_gpu else "gloo")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            **({"device_id": torch.device("cuda", local_rank)} if on_gpu else {}))
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+        return 0
+    except ckpt.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        try:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        except Exception:
+            pass

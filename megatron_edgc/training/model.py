@@ -1,0 +1,139 @@
+"""GPT-2 on megatron-core: model chunks, Megatron DDP, Megatron's Adam and LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+
+def layer_spec():
+    """The transformer-engine layer spec when TE imports, else megatron-core's local one."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import \
+            get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    except Exception:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec()
+
+
+def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallel
+    vp = p.virtual_pipeline_model_parallel_size
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        layernorm_epsilon=m.layernorm_epsilon,
+        init_method_std=m.init_method_std,
+        normalization="LayerNorm",
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=bf16,
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=False,
+        # PP=2 with virtual stages and batched p2p swaps tensors (FINDINGS.md): use
+        # Megatron-LM's setting for the interleaved schedule.
+        batch_p2p_comm=vp is None,
+        overlap_p2p_comm=vp is not None,
+        batch_p2p_sync=on_gpu,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+@dataclass
+class ModelBundle:
+    chunks: list  # DDP-wrapped model chunks (one per virtual stage)
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+
+
+def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: bool) -> ModelBundle:
+    tconf = transformer_config(cfg, bf16, on_gpu)
+    vp = cfg.parallel.virtual_pipeline_model_parallel_size
+    spec = layer_spec()
+    chunks = []
+    for vp_stage in range(vp or 1):
+        stage = vp_stage if vp else None
+        model = GPTModel(
+            config=tconf,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size,
+            max_sequence_length=cfg.model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp is None,
+                                                                vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp is None,
+                                                                vp_stage=stage),
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+            vp_stage=stage,
+        )
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bf16,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        bucket_size=cfg.parallel.bucket_size,
+    )
+    chunks = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=chunk,
+                                      disable_bucketing=i > 0)
+              for i, chunk in enumerate(chunks)]
+
+    t = cfg.training
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
+        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters, wd_incr_style="constant")
+    return ModelBundle(chunks, optimizer, scheduler, tconf)
+
+
+def count_parameters(cfg, padded_vocab_size: int) -> int:
+    """GPT-2 parameter count of the whole model (tied embeddings), from the shapes."""
+    m = cfg.model
+    h, f, L = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size, m.num_layers
+    per_layer = (2 * h            # input layernorm
+                 + 3 * h * h + 3 * h  # QKV
+                 + h * h + h      # attention projection
+                 + 2 * h          # pre-MLP layernorm
+                 + h * f + f      # fc1
+                 + f * h + h)     # fc2
+    embeddings = padded_vocab_size * h + (m.max_position_embeddings or m.seq_length) * h
+    return L * per_layer + embeddings + 2 * h  # + final layernorm
