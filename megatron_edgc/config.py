@@ -197,9 +197,12 @@ class DataConfig:
     data_path: Optional[str] = knob(
         None, "prefix of the .bin/.idx made by scripts/prepare_data.py")
     split: str = knob("949,50,1", "train,valid,test weights of the document split")
-    tokenizer_type: str = knob("GPT2BPETokenizer", "tokenizer", choices=("GPT2BPETokenizer",))
+    tokenizer_type: str = knob("GPT2BPETokenizer", "GPT-2's BPE, or a small BPE trained on the "
+                               "corpus by scripts/prepare_data.py",
+                               choices=("GPT2BPETokenizer", "CorpusBPETokenizer"))
     vocab_file: Optional[str] = knob(
-        None, "GPT-2 BPE ranks file (.tiktoken); default: the copy shipped by openai-whisper")
+        None, "GPT2BPETokenizer: the .tiktoken ranks file (default: the copy shipped by "
+              "openai-whisper); CorpusBPETokenizer: its tokenizer JSON")
     data_cache_path: Optional[str] = knob(
         None, "where GPTDataset caches its sample indices (default: <data dir>/cache)")
 
@@ -217,14 +220,89 @@ class DataConfig:
         if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0 or weights[1] <= 0:
             raise ConfigError("--split", f"must be three comma-separated non-negative weights "
                                          f"train,valid,test with train and valid > 0 (got {self.split!r})")
-        if self.vocab_file is None:
+        n_docs = _check_indexed_dataset(self.data_path)
+        split_docs = _split_document_counts(weights, n_docs)
+        if split_docs[0] < 1 or split_docs[1] < 1:
+            raise ConfigError("--split", f"{self.split!r} over {n_docs} documents leaves "
+                                         f"{split_docs[0]} for training and {split_docs[1]} for "
+                                         f"validation; each needs at least one")
+        if self.vocab_file is None and self.tokenizer_type == "GPT2BPETokenizer":
             from megatron_edgc.training.tokenizer import default_gpt2_vocab_file
             self.vocab_file = default_gpt2_vocab_file()
+        if self.vocab_file is None:
+            raise ConfigError("--vocab-file", f"is required with --tokenizer-type "
+                                              f"{self.tokenizer_type}")
         if not os.path.isfile(self.vocab_file):
             raise ConfigError("--vocab-file", f"{self.vocab_file} does not exist")
+        from megatron_edgc.training.tokenizer import build_tokenizer
+        try:
+            tokenizer = build_tokenizer(self.tokenizer_type, self.vocab_file)
+        except (ValueError, OSError) as exc:
+            raise ConfigError("--vocab-file", f"{exc}") from None
+        if _index_dtype_max(self.data_path) + 1 < tokenizer.vocab_size:
+            raise ConfigError("--vocab-file", f"the tokenizer has {tokenizer.vocab_size} ids, "
+                                              f"more than {self.data_path}.bin can store: the "
+                                              f"data was made with another tokenizer")
         if self.data_cache_path is None:
             self.data_cache_path = os.path.join(os.path.dirname(os.path.abspath(self.data_path)),
                                                 "cache")
+
+
+_DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64",
+                7: "float32", 8: "uint16"}
+
+
+def _read_index_header(idx: str):
+    import numpy
+
+    with open(idx, "rb") as fh:
+        fh.read(17)
+        return numpy.dtype(_DTYPE_CODES[int(numpy.frombuffer(fh.read(1), numpy.uint8)[0])])
+
+
+def _index_dtype_max(prefix: str) -> int:
+    import numpy
+
+    return int(numpy.iinfo(_read_index_header(prefix + ".idx")).max)
+
+
+def _split_document_counts(weights: list, n_docs: int) -> list:
+    """Documents per split, rounded as megatron-core's dataset builder rounds them."""
+    total = sum(weights)
+    cum = [sum(weights[:i]) / total for i in range(len(weights) + 1)]
+    return [int(round(b * n_docs)) - int(round(a * n_docs)) for a, b in zip(cum, cum[1:])]
+
+
+def _check_indexed_dataset(prefix: str) -> int:
+    """Header checks of a Megatron .idx/.bin pair, cheap enough for start-up.
+
+    Returns the number of documents.
+    """
+    import numpy
+
+    # megatron.core.datasets.indexed_dataset's format: magic, version, dtype code, counts.
+    codes = {k: numpy.dtype(v) for k, v in _DTYPE_CODES.items()}
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    try:
+        with open(idx, "rb") as fh:
+            header = fh.read(9)
+            if header != b"MMIDIDX\x00\x00":
+                raise ValueError("bad magic header")
+            version = numpy.frombuffer(fh.read(8), dtype=numpy.int64)[0]
+            dtype = codes[int(numpy.frombuffer(fh.read(1), dtype=numpy.uint8)[0])]
+            n_seq = int(numpy.frombuffer(fh.read(8), dtype=numpy.int64)[0])
+            n_doc = int(numpy.frombuffer(fh.read(8), dtype=numpy.int64)[0])
+            lengths = numpy.frombuffer(fh.read(4 * n_seq), dtype=numpy.int32)
+            if version != 1 or len(lengths) != n_seq or n_doc < 2:
+                raise ValueError("truncated or unknown version")
+    except Exception as exc:
+        raise ConfigError("--data-path", f"{idx} is not a valid Megatron index ({exc})") from None
+    expected = int(lengths.astype(numpy.int64).sum()) * numpy.dtype(dtype).itemsize
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise ConfigError("--data-path", f"{bin_} has {actual} bytes, its index says {expected} "
+                                         f"(truncated or from another dataset)")
+    return n_doc - 1
 
 
 @dataclass

@@ -123,8 +123,11 @@ def build_indexed_dataset(jsonl_path: str, output_prefix: str, tokenizer,
 # ---------------------------------------------------------------------------- GPTDataset
 
 
-def build_gpt_datasets(cfg, tokenizer, num_samples: tuple[int, int, int]):
+def build_gpt_datasets(cfg, tokenizer, num_samples: tuple[int, int]):
     """megatron-core GPTDataset train/valid/test splits over ``cfg.data.data_path``.
+
+    ``num_samples`` sizes the train and valid splits; the test split is one epoch (it is
+    for evaluation after training and may hold very few documents).
 
     Every rank builds (all ranks need tokens or labels); rank 0 first, so the index cache
     is written once and read by the others.
@@ -148,7 +151,7 @@ def build_gpt_datasets(cfg, tokenizer, num_samples: tuple[int, int, int]):
     )
 
     def build():
-        return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True,
+        return BlendedMegatronDatasetBuilder(GPTDataset, [*num_samples, None], lambda: True,
                                              ds_config).build()
 
     if dist.is_initialized() and dist.get_world_size() > 1:

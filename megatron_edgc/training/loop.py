@@ -14,7 +14,6 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
 
 import numpy
 import torch
@@ -69,7 +68,7 @@ class Trainer:
         gbs = t.global_batch_size
         evals = t.train_iters // e.eval_interval + 1
         train_ds, valid_ds, _ = build_gpt_datasets(
-            cfg, self.tokenizer, (t.train_iters * gbs, e.eval_iters * gbs * evals, gbs))
+            cfg, self.tokenizer, (t.train_iters * gbs, e.eval_iters * gbs * evals))
         nmb = cfg.num_microbatches
         self.train_stream = MicroBatchStream(train_ds, t.micro_batch_size, nmb, self.dp_rank,
                                              p.data_parallel_size)
@@ -255,8 +254,8 @@ def format_summary(s: dict) -> str:
         f"wall {s['wall_s']:.1f} s"]))
 
 
-def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
-    """Entry of one training process (spawned locally, or started by torchrun/srun)."""
+def init_worker(cfg, rank: int, world_size: int, local_rank: int) -> None:
+    """Device, CPU shims (without CUDA) and the default process group of one rank."""
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(local_rank)
@@ -265,16 +264,24 @@ def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
     backend = cfg.parallel.distributed_backend or ("nccl" if on_gpu else "gloo")
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             **({"device_id": torch.device("cuda", local_rank)} if on_gpu else {}))
+
+
+def shutdown_worker() -> None:
     try:
-        trainer = Trainer(cfg)
-        trainer.run()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
+    """Entry of one training process (spawned locally, or started by torchrun/srun)."""
+    init_worker(cfg, rank, world_size, local_rank)
+    try:
+        Trainer(cfg).run()
         return 0
     except ckpt.CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        try:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        shutdown_worker()
