@@ -13,13 +13,12 @@ import sys
 
 def main(argv=None) -> int:
     from megatron_edgc.config import ConfigError, parse_config
+    from megatron_edgc.patches.cpu import UnsupportedMegatronVersion, check_megatron_version
     from megatron_edgc.training.launch import detect_launch_env, spawn_local
 
     launch = detect_launch_env()
     try:
         cfg = parse_config(argv, world_size=launch.world_size if launch else None)
-        from megatron_edgc.patches.cpu import UnsupportedMegatronVersion, check_megatron_version
-
         check_megatron_version(cfg.allow_untested_megatron)
     except (ConfigError, UnsupportedMegatronVersion) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -165,7 +165,9 @@ class TrainingConfig:
 
     micro_batch_size: int = knob(4, "sequences per micro-batch per DP rank", min=1)
     global_batch_size: int = knob(16, "sequences per iteration over all DP ranks", min=1)
-    train_iters: int = knob(200, "training iterations", min=1)
+    train_iters: int = knob(200, "training iterations (sets the LR schedule and data size)", min=1)
+    exit_interval: Optional[int] = knob(
+        None, "stop (after saving, with --save) once the iteration is a multiple of this", min=1)
     lr: float = knob(1e-3, "peak learning rate", min=0.0)
     min_lr: float = knob(1e-4, "final learning rate of the decay", min=0.0)
     lr_warmup_iters: int = knob(20, "linear LR warm-up iterations", min=0)

@@ -1,50 +1,27 @@
-"""Run real multi-process megatron-core jobs (gloo, forked local workers) from a test."""
+"""Run real multi-process megatron-core jobs (gloo, local workers) from a test."""
 
 import json
 import os
+import subprocess
+import sys
 
 import torch
 
-from megatron_edgc.config import parse_config
-from megatron_edgc.training.launch import spawn_local
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_job(argv, out_dir, dump_params=True):
+def run_job(argv, out_dir, timeout=600):
     """Train with ``argv`` on TP x PP x DP local processes; return per-rank results.
 
-    Each rank writes its parallel coordinates and (optionally) its parameters to
-    ``out_dir/rank{r}.pt``; the logging rank writes the metrics file given in argv.
+    Each rank's parallel coordinates, final parameters and summary come back as a dict;
+    the logging rank writes the metrics file named in ``argv``.
     """
-    from megatron.core import parallel_state
-
-    from megatron_edgc.training.loop import Trainer, init_worker, shutdown_worker
-
-    cfg = parse_config(argv)
-    os.makedirs(out_dir, exist_ok=True)
-
-    def target(rank, world, local):
-        init_worker(cfg, rank, world, local)
-        try:
-            trainer = Trainer(cfg)
-            summary = trainer.run()
-            params = {}
-            if dump_params:
-                for i, chunk in enumerate(trainer.bundle.chunks):
-                    for name, p in chunk.named_parameters():
-                        params[f"{i}.{name}"] = p.detach().clone()
-            torch.save({"tp": parallel_state.get_tensor_model_parallel_rank(),
-                        "pp": parallel_state.get_pipeline_model_parallel_rank(),
-                        "dp": parallel_state.get_data_parallel_rank(),
-                        "params": params, "summary": summary},
-                       os.path.join(out_dir, f"rank{rank}.pt"))
-            return 0
-        finally:
-            shutdown_worker()
-
-    code = spawn_local(target, cfg.parallel.world_size)
-    assert code == 0, f"a worker failed with exit code {code}"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "job_runner.py"), out_dir, *argv],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    files = sorted(f for f in os.listdir(out_dir) if f.startswith("rank"))
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-            for r in range(cfg.parallel.world_size)]
+            for r in range(len(files))]
 
 
 def read_jsonl(path):

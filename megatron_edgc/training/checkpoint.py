@@ -4,8 +4,8 @@ Layout (one directory per saved iteration)::
 
     <save>/iter_0000100/model_optim_tp00_pp000.pt   model chunks + optimizer + scheduler,
                                                      written by DP rank 0 of each (TP, PP)
-    <save>/iter_0000100/distrib_optim_tp00_pp000.pt distributed-optimizer parameter state
-    <save>/iter_0000100/rank_state_00003.pt          per-rank state (RNG; extensions)
+    <save>/iter_0000100/rank_state_00003.pt          per-rank state: RNG, this rank's
+                                                     distributed-optimizer shard, extensions
     <save>/latest_checkpointed_iteration.txt         written last
 
 An iteration directory is written under a temporary name and renamed once every rank
@@ -51,14 +51,37 @@ def read_latest_iteration(root: str) -> Optional[int]:
     return int(text)
 
 
-def _layout_names(iteration_path: str) -> tuple[str, str, str]:
+def _layout_names(iteration_path: str) -> tuple[str, str]:
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
-    tag = f"tp{tp:02d}_pp{pp:03d}"
-    rank = dist.get_rank()
-    return (os.path.join(iteration_path, f"model_optim_{tag}.pt"),
-            os.path.join(iteration_path, f"distrib_optim_{tag}.pt"),
-            os.path.join(iteration_path, f"rank_state_{rank:05d}.pt"))
+    return (os.path.join(iteration_path, f"model_optim_tp{tp:02d}_pp{pp:03d}.pt"),
+            os.path.join(iteration_path, f"rank_state_{dist.get_rank():05d}.pt"))
+
+
+def _inner_optimizers(optimizer) -> list:
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def distributed_optimizer_shard_state(optimizer) -> list:
+    """This DP rank's shard: the torch optimizer state and its fp32 main parameters.
+
+    (megatron-core 0.16.1's gathered ``save/load_parameter_state`` drops torch Adam's
+    per-parameter ``step`` and cannot be loaded back without apex/TE; the shard is exact.)
+    """
+    return [{"inner": inner.state_dict(),
+             "main_params": [p.detach().clone() for g in inner.param_groups for p in g["params"]]}
+            for inner in _inner_optimizers(optimizer)]
+
+
+def load_distributed_optimizer_shard_state(optimizer, states: list) -> None:
+    inners = _inner_optimizers(optimizer)
+    if len(inners) != len(states):
+        raise CheckpointError("--load: distributed-optimizer state does not match this model")
+    for inner, state in zip(inners, states):
+        inner.load_state_dict(state["inner"])
+        params = [p for g in inner.param_groups for p in g["params"]]
+        for p, saved in zip(params, state["main_params"], strict=True):
+            p.copy_(saved)
 
 
 def rng_state() -> dict:
@@ -107,18 +130,18 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_file, distopt_file, rank_file = _layout_names(tmp)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    if cfg.parallel.use_distributed_optimizer:
-        bundle.optimizer.save_parameter_state(distopt_file)  # collective over DP
-    if dp_rank == 0:
+    model_file, rank_file = _layout_names(tmp)
+    distributed_optimizer = cfg.parallel.use_distributed_optimizer
+    if parallel_state.get_data_parallel_rank() == 0:
         torch.save({"iteration": iteration,
                     "model": [chunk.state_dict() for chunk in bundle.chunks],
-                    "optimizer": bundle.optimizer.state_dict(),
+                    "optimizer": None if distributed_optimizer else bundle.optimizer.state_dict(),
                     "scheduler": bundle.scheduler.state_dict(),
                     "layout": layout_of(cfg),
                     "config": cfg.to_dict()}, model_file)
     torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
+                "distributed_optimizer": distributed_optimizer_shard_state(bundle.optimizer)
+                if distributed_optimizer else None,
                 "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
                rank_file)
     dist.barrier()
@@ -134,13 +157,14 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
     return final
 
 
+@torch.no_grad()
 def load_checkpoint(root: str, bundle, cfg) -> int:
     """Collective. Restores everything and returns the iteration to continue from."""
     iteration = read_latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load: no {LATEST} in {root}")
     path = iteration_dir(root, iteration)
-    model_file, distopt_file, rank_file = _layout_names(path)
+    model_file, rank_file = _layout_names(path)
     for f in (model_file, rank_file):
         if not os.path.isfile(f):
             raise CheckpointError(f"--load: {f} is missing (saved with another layout?)")
@@ -154,9 +178,11 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
         raise CheckpointError(f"--load: checkpoint layout {saved} differs from this run's {ours}")
     for chunk, sd in zip(bundle.chunks, state["model"]):
         chunk.load_state_dict(sd, strict=True)
-    bundle.optimizer.load_state_dict(state["optimizer"])
     if cfg.parallel.use_distributed_optimizer:
-        bundle.optimizer.load_parameter_state(distopt_file)
+        load_distributed_optimizer_shard_state(bundle.optimizer,
+                                               rank_state["distributed_optimizer"])
+    else:
+        bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(rank_state["rng"])
     for name, (_, load) in _RANK_STATE.items():

@@ -210,7 +210,11 @@ class Trainer:
                     print(line, flush=True)
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                     ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
-            if ck.save and (not ck.save_interval or self.iteration % ck.save_interval):
+                if t.exit_interval and self.iteration % t.exit_interval == 0:
+                    log0(f"exiting at iteration {self.iteration} (--exit-interval)")
+                    break
+            last_saved = ck.save_interval and self.iteration % ck.save_interval == 0
+            if ck.save and not last_saved:
                 ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
         finally:
             writer.close()

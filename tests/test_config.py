@@ -1,0 +1,133 @@
+"""Configuration: precedence, and one-line errors naming the flag for bad input."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_edgc.config import ConfigError, parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def expect_error(argv, flag, fragment="", world_size=None):
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, world_size=world_size)
+    message = str(info.value)
+    assert message.startswith(flag + ":"), message
+    assert fragment in message, message
+    assert "\n" not in message
+    return message
+
+
+def test_precedence_default_yaml_cli(small_model_argv):
+    cfg = parse_config(small_model_argv)
+    assert cfg.model.hidden_size == 64            # CLI over YAML (128)
+    assert cfg.parallel.pipeline_model_parallel_size == 2   # from YAML
+    assert cfg.model.ffn_hidden_size == 256       # derived default: 4 x hidden
+    assert cfg.training.adam_beta2 == 0.95        # dataclass default
+    assert cfg.num_microbatches == 2              # 8 / (2 x DP 2)
+    assert cfg.parallel.world_size == 4
+
+
+def test_world_size_from_launcher(small_model_argv):
+    argv = [a for a in small_model_argv]
+    cfg = parse_config(argv + ["--data-parallel-size", "4", "--global-batch-size", "16"],
+                       world_size=8)
+    assert cfg.parallel.data_parallel_size == 4
+    cfg = parse_config(argv, world_size=4)
+    assert cfg.parallel.data_parallel_size == 2
+
+
+@pytest.mark.parametrize("extra,flag,fragment,world", [
+    (["--data-parallel-size", "2"], "--data-parallel-size", "!= world size 8", 8),
+    (["--num-layers", "3"], "--num-layers", "divisible by --pipeline-model-parallel-size", None),
+    (["--hidden-size", "96", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2",
+      "--data-parallel-size", "1", "--global-batch-size", "4"],
+     "--num-attention-heads", "divisible by --tensor-model-parallel-size", None),
+    (["--hidden-size", "64", "--num-attention-heads", "3"], "--hidden-size", "divisible", None),
+    (["--global-batch-size", "10"], "--global-batch-size", "multiple of micro batch x DP", None),
+    (["--global-batch-size", "4"], "--global-batch-size", "1F1B needs at least PP = 2", None),
+    (["--virtual-pipeline-model-parallel-size", "3"], "--num-layers", "PP x virtual", None),
+    (["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "2"],
+     "--virtual-pipeline-model-parallel-size", "needs --pipeline-model-parallel-size >= 2", None),
+    (["--num-layers", "0"], "--num-layers", "must be in [1, inf] (got 0)", None),
+    (["--lr", "-1"], "--lr", "must be in [0.0, inf]", None),
+    (["--adam-beta2", "1.5"], "--adam-beta2", "must be in [0.0, 1.0]", None),
+    (["--min-lr", "1e-2"], "--min-lr", "must be <= --lr", None),
+    (["--lr-warmup-iters", "50"], "--lr-warmup-iters", "must be < --lr-decay-iters", None),
+    (["--seq-length", "256", "--max-position-embeddings", "128"], "--seq-length", "<=", None),
+    (["--split", "1,0,0"], "--split", "train and valid > 0", None),
+    (["--split", "abc"], "--split", "three comma-separated", None),
+    (["--save-interval", "5"], "--save-interval", "needs --save", None),
+    (["--load", "/nonexistent/ckpt"], "--load", "is not a directory", None),
+    (["--data-path", "/nonexistent/prefix"], "--data-path", "does not exist", None),
+    (["--vocab-file", "/nonexistent/vocab.json"], "--vocab-file", "does not exist", None),
+])
+def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
+    expect_error(small_model_argv + extra, flag, fragment, world)
+
+
+def test_bad_files(small_model_argv, corpus_data, tmp_path):
+    # A tokenizer file that is not one.
+    bad_vocab = tmp_path / "vocab.json"
+    bad_vocab.write_text("{not json")
+    expect_error(small_model_argv + ["--vocab-file", str(bad_vocab)], "--vocab-file",
+                 "not a tokenizers JSON file")
+    # A truncated .bin and a corrupt .idx.
+    prefix = str(tmp_path / "broken")
+    data = open(corpus_data["prefix"] + ".bin", "rb").read()
+    open(prefix + ".bin", "wb").write(data[: len(data) // 2])
+    open(prefix + ".idx", "wb").write(open(corpus_data["prefix"] + ".idx", "rb").read())
+    expect_error(small_model_argv + ["--data-path", prefix], "--data-path", "truncated")
+    open(prefix + ".bin", "wb").write(data)
+    open(prefix + ".idx", "wb").write(b"garbage" * 10)
+    expect_error(small_model_argv + ["--data-path", prefix], "--data-path",
+                 "not a valid Megatron index")
+    # Too few documents for a validation split.
+    expect_error(small_model_argv + ["--split", "1000,1,0"], "--split", "for validation")
+    # Metrics under a regular file cannot be written.
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    expect_error(small_model_argv + ["--metrics-file", str(blocker / "m.jsonl")],
+                 "--metrics-file", "cannot be written")
+
+
+def test_bad_yaml(small_model_argv, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  num_layerz: 4\n")
+    expect_error(small_model_argv + ["--config", str(cfg)], "--config", "unknown key model.num_layerz")
+    cfg.write_text("modle:\n  num_layers: 4\n")
+    expect_error(small_model_argv + ["--config", str(cfg)], "--config", "unknown section")
+    cfg.write_text("model:\n  hidden_size: sixty-four\n")
+    argv = [a for i, a in enumerate(small_model_argv)
+            if "--hidden-size" not in small_model_argv[max(0, i - 1):i + 1]]
+    expect_error(argv + ["--config", str(cfg)], "--hidden-size", "must be an integer")
+    expect_error(small_model_argv + ["--config", str(tmp_path / "none.yaml")], "--config",
+                 "does not exist")
+
+
+def test_cli_fails_fast_with_one_line(small_model_argv):
+    start = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+                           *small_model_argv, "--num-layers", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and "Warning" not in l
+             and "warnings.warn" not in l]
+    assert lines == [lines[0]] and lines[0].startswith("error: --num-layers:"), proc.stderr
+    assert proc.stdout == ""
+    assert time.time() - start < 30  # no process group, no model: config only
+
+
+def test_untested_megatron_version_is_refused(monkeypatch):
+    from megatron.core import package_info
+
+    from megatron_edgc.patches import cpu
+
+    monkeypatch.setattr(package_info, "__version__", "0.99.0")
+    with pytest.raises(cpu.UnsupportedMegatronVersion, match="--allow-untested-megatron"):
+        cpu.check_megatron_version()
+    assert cpu.check_megatron_version(allow_untested=True) == "0.99.0"
