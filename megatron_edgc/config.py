@@ -204,7 +204,8 @@ class DataConfig:
                                choices=("GPT2BPETokenizer", "CorpusBPETokenizer"))
     vocab_file: Optional[str] = knob(
         None, "GPT2BPETokenizer: the .tiktoken ranks file (default: the copy shipped by "
-              "openai-whisper); CorpusBPETokenizer: its tokenizer JSON")
+              "openai-whisper); CorpusBPETokenizer: its tokenizer JSON (default: "
+              "<data prefix>.tokenizer.json, where prepare_data.py writes it)")
     data_cache_path: Optional[str] = knob(
         None, "where GPTDataset caches its sample indices (default: <data dir>/cache)")
 
@@ -231,9 +232,10 @@ class DataConfig:
         if self.vocab_file is None and self.tokenizer_type == "GPT2BPETokenizer":
             from megatron_edgc.training.tokenizer import default_gpt2_vocab_file
             self.vocab_file = default_gpt2_vocab_file()
-        if self.vocab_file is None:
-            raise ConfigError("--vocab-file", f"is required with --tokenizer-type "
-                                              f"{self.tokenizer_type}")
+        if self.vocab_file is None:  # prepare_data.py writes it beside the data
+            stem = self.data_path[: -len("_text_document")] \
+                if self.data_path.endswith("_text_document") else self.data_path
+            self.vocab_file = stem + ".tokenizer.json"
         if not os.path.isfile(self.vocab_file):
             raise ConfigError("--vocab-file", f"{self.vocab_file} does not exist")
         from megatron_edgc.training.tokenizer import build_tokenizer
