@@ -1,0 +1,305 @@
+"""PowerSGD low-rank compression with error feedback (EDGC §1; Vogels et al., NeurIPS 2019).
+
+Pure tensors in and out: a :class:`BucketCompressor` turns one gradient bucket into the
+buffers a data-parallel all-reduce (SUM) must carry and rebuilds the gradient from the
+reduced buffers. Whoever drives it owns the collectives (``patches/ddp.py`` on the real DP
+group; the tests simulate DP ranks in one process).
+
+One step for a bucket, on every DP rank ``i``::
+
+    M_i  = G_i + E_i                    error feedback (fp32 residual, starts at 0)
+    P_i  = M_i Q                        Q warm-started; first Q a seeded Gaussian, same on all
+    [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
+                                        uncompressed rest (biases, norms, small matrices)
+                                        and a non-finite flag
+    P^   = orth(sum P)                  fp32 reduced QR
+    Q_i  = M_i^T P^
+    [Q]  --SUM-->                       one collective: all Q of the bucket
+    M^   = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
+    E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
+    Q    = sum Q                        warm start for the next step
+
+The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_i M_i -
+M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
+``powerSGD_hook`` keeps ``M_i - mean``, whose per-rank part random-walks at full rank.)
+
+Matrices of equal shape are batched (one ``bmm`` per shape). A matrix is compressed at
+rank ``r`` only when ``min(n, m) > r`` and ``(n + m) r · min_rate <= n m``; it then sends
+``(n + m) r`` instead of ``n m`` elements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_BYTES = 4  # P, Q and the packed dense part travel in fp32
+
+
+def is_compressible(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
+    """EDGC §1's rule: low rank really is lower, and pays at least ``min_compression_rate``."""
+    return min(n, m) > rank and (n + m) * rank * min_compression_rate <= n * m
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The matrix view of a gradient: ``(shape[0], numel / shape[0])``; vectors are 1 x n."""
+    if len(shape) < 2:
+        n = 1
+        for s in shape:
+            n *= s
+        return (1, n)
+    m = 1
+    for s in shape[1:]:
+        m *= s
+    return (shape[0], m)
+
+
+def seeded_gaussian(seed: int, name: str, tag: str, rows: int, cols: int) -> torch.Tensor:
+    """A Gaussian (rows x cols) that depends only on (seed, name, tag): equal on all ranks."""
+    digest = hashlib.sha256(f"{seed}/{name}/{tag}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float32)
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``p`` ([k, n, r] batched), in fp32.
+
+    Householder QR needs no epsilon: an all-zero column yields a unit vector (its
+    reflector is the identity), never a division by zero, and the result is
+    deterministic for identical input, so every DP rank gets the same basis.
+    """
+    q, _ = torch.linalg.qr(p.float(), mode="reduced")
+    return q
+
+
+@dataclass
+class ShapeGroup:
+    """All compressed matrices of one shape in a bucket, batched."""
+
+    n: int
+    m: int
+    indices: list  # positions in the bucket's entry list
+    names: list
+    q: Optional[torch.Tensor] = None          # [k, m, r] warm start
+    residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback
+
+
+@dataclass
+class _Step:
+    """What travels from :meth:`start` to :meth:`finish` within one step."""
+
+    grads: list
+    m: dict = field(default_factory=dict)      # group key -> M [k, n, m]
+    p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
+    q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
+    nonfinite: bool = False
+
+
+class BucketCompressor:
+    """PowerSGD state and math for one gradient bucket.
+
+    ``entries`` lists the bucket's gradients as ``(name, (n, m))`` in a fixed order; every
+    call then passes the gradients as matrix views in that order.
+    """
+
+    def __init__(self, entries: Sequence[tuple[str, tuple[int, int]]], rank: int, *,
+                 min_compression_rate: float = 2.0, seed: int = 0,
+                 compress_all: bool = False, device=None):
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.entries = [(name, (int(n), int(m))) for name, (n, m) in entries]
+        self.min_compression_rate = min_compression_rate
+        self.seed = seed
+        self.compress_all = compress_all  # tests: compress every matrix, even at full rank
+        self.device = device
+        self.rank = rank
+        self.groups: dict[tuple[int, int], ShapeGroup] = {}
+        self.dense_indices: list[int] = []
+        self._pending_flush: dict[str, torch.Tensor] = {}  # residuals of matrices gone dense
+        self._plan()
+
+    # ------------------------------------------------------------------ planning
+
+    def _compressible(self, n: int, m: int) -> bool:
+        if self.compress_all:
+            return n > 1 and m > 1
+        return n > 1 and is_compressible(n, m, self.rank, self.min_compression_rate)
+
+    def _rank_for(self, g: ShapeGroup) -> int:
+        return min(self.rank, g.n, g.m)
+
+    def _plan(self) -> None:
+        old = {name: (g, j) for g in self.groups.values() for j, name in enumerate(g.names)}
+        groups: dict[tuple[int, int], ShapeGroup] = {}
+        dense = []
+        for i, (name, (n, m)) in enumerate(self.entries):
+            if self._compressible(n, m):
+                g = groups.setdefault((n, m), ShapeGroup(n, m, [], []))
+                g.indices.append(i)
+                g.names.append(name)
+            else:
+                dense.append(i)
+        # Carry Q and residuals of matrices that stay compressed.
+        for g in groups.values():
+            if not g.names or not all(name in old for name in g.names):
+                continue
+            qs, es = [], []
+            for name in g.names:
+                og, j = old[name]
+                if og.q is None:
+                    break
+                qs.append(og.q[j])
+                es.append(og.residual[j])
+            else:
+                g.q = torch.stack(qs)
+                g.residual = torch.stack(es)
+        # Matrices that fall back to dense hand their residual back once (nothing is lost).
+        for name, (og, j) in old.items():
+            if og.residual is not None and not any(name in g.names for g in groups.values()):
+                self._pending_flush[name] = og.residual[j].clone()
+        self.groups = groups
+        self.dense_indices = dense
+
+    def set_rank(self, rank: int) -> None:
+        """Change the rank: Q loses trailing columns or gains seeded ones; E is kept."""
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        if rank == self.rank:
+            return
+        self.rank = rank
+        self._plan()
+        for key, g in self.groups.items():
+            if g.q is None:
+                continue
+            r_new = self._rank_for(g)
+            r_old = g.q.shape[2]
+            if r_new < r_old:
+                g.q = g.q[:, :, :r_new].contiguous()
+            elif r_new > r_old:
+                extra = torch.stack([seeded_gaussian(self.seed, name, f"grow{r_old}-{r_new}",
+                                                     g.m, r_new - r_old) for name in g.names])
+                g.q = torch.cat([g.q, extra.to(g.q.device)], dim=2)
+
+    # ------------------------------------------------------------------ sizes
+
+    def compressed_numel(self) -> int:
+        """Elements of the two collectives (P + dense + flag, then Q)."""
+        p = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
+        q = sum(len(g.indices) * g.m * self._rank_for(g) for g in self.groups.values())
+        dense = sum(self.entries[i][1][0] * self.entries[i][1][1] for i in self.dense_indices)
+        return p + dense + 1 + q
+
+    def dense_numel(self) -> int:
+        return sum(n * m for _, (n, m) in self.entries)
+
+    # ------------------------------------------------------------------ one step
+
+    def _init_group(self, g: ShapeGroup, device) -> None:
+        r = self._rank_for(g)
+        g.q = torch.stack([seeded_gaussian(self.seed, name, "init", g.m, r)
+                           for name in g.names]).to(device)
+        g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=torch.float32, device=device)
+
+    def start(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, _Step]:
+        """Error feedback and ``P = M Q``; returns ``[P... | dense... | flag]`` to SUM-reduce."""
+        assert len(grads) == len(self.entries)
+        step = _Step(grads=list(grads))
+        device = grads[0].device
+        parts = []
+        local_nonfinite = False
+        for key, g in self.groups.items():
+            if g.q is None:
+                self._init_group(g, device)
+            m = torch.stack([grads[i].float() for i in g.indices])
+            m += g.residual
+            step.m[key] = m
+            parts.append(torch.bmm(m, g.q).reshape(-1))
+        for i in self.dense_indices:
+            name = self.entries[i][0]
+            if name in self._pending_flush:
+                grads[i].add_(self._pending_flush.pop(name).view_as(grads[i]).to(grads[i].dtype))
+            parts.append(grads[i].float().reshape(-1))
+        for part in parts:
+            if not torch.isfinite(part).all():
+                local_nonfinite = True
+                break
+        flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=device)
+        return torch.cat(parts + [flag]), step
+
+    def middle(self, step: _Step, reduced: torch.Tensor) -> Optional[torch.Tensor]:
+        """After the first SUM: orthonormalize P, ``Q = M^T P``; returns Q to SUM-reduce.
+
+        Returns None when some rank saw a non-finite value: the caller then reduces the
+        raw bucket densely and the residuals stay as they were.
+        """
+        if reduced[-1].item() > 0:
+            step.nonfinite = True
+            return None
+        offset = 0
+        qs = []
+        for key, g in self.groups.items():
+            k, r = len(g.indices), self._rank_for(g)
+            p = reduced[offset:offset + k * g.n * r].view(k, g.n, r)
+            offset += k * g.n * r
+            p_hat = orthonormalize(p)
+            step.p_hat[key] = p_hat
+            step.q_local[key] = torch.bmm(step.m[key].transpose(1, 2), p_hat)
+            qs.append(step.q_local[key].reshape(-1))
+        for i in self.dense_indices:
+            grad = step.grads[i]
+            grad.copy_(reduced[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        assert offset == reduced.numel() - 1
+        if not qs:
+            return torch.empty(0, device=reduced.device)
+        return torch.cat(qs)
+
+    def finish(self, step: _Step, reduced_q: torch.Tensor) -> None:
+        """After the second SUM: ``M^ = P^ Q^T`` into the gradients; residual and warm start."""
+        offset = 0
+        for key, g in self.groups.items():
+            k, r = len(g.indices), self._rank_for(g)
+            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r)
+            offset += k * g.m * r
+            approx = torch.bmm(step.p_hat[key], q.transpose(1, 2))
+            for j, i in enumerate(g.indices):
+                step.grads[i].copy_(approx[j])
+            g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_local[key].transpose(1, 2))
+            g.q = q.clone()
+        assert offset == reduced_q.numel()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        out = {"rank": self.rank, "matrices": {}}
+        for g in self.groups.values():
+            if g.q is None:
+                continue
+            for j, name in enumerate(g.names):
+                out["matrices"][name] = {"q": g.q[j].cpu().clone(),
+                                         "residual": g.residual[j].cpu().clone()}
+        out["pending_flush"] = {k: v.cpu().clone() for k, v in self._pending_flush.items()}
+        return out
+
+    def load_state_dict(self, state: dict, device=None) -> list:
+        """Restore; returns the names whose saved state did not fit (reset to fresh)."""
+        if state["rank"] != self.rank:
+            self.set_rank(state["rank"])
+        mismatched = []
+        mats = state["matrices"]
+        for g in self.groups.values():
+            r = self._rank_for(g)
+            ok = all(name in mats and tuple(mats[name]["q"].shape) == (g.m, r)
+                     and tuple(mats[name]["residual"].shape) == (g.n, g.m) for name in g.names)
+            if ok:
+                dev = device if device is not None else self.device
+                g.q = torch.stack([mats[name]["q"] for name in g.names]).to(dev)
+                g.residual = torch.stack([mats[name]["residual"] for name in g.names]).to(dev)
+            else:
+                mismatched += [name for name in g.names if name in mats]
+                g.q = g.residual = None
+        self._pending_flush = dict(state.get("pending_flush", {}))
+        return mismatched

@@ -1,0 +1,176 @@
+"""PowerSGD math in one process: DP ranks simulated, collectives are sums of buffers."""
+
+import pytest
+import torch
+
+from megatron_edgc.compression.powersgd import (BucketCompressor, is_compressible,
+                                                orthonormalize)
+
+
+def simulated_step(compressors, grads_per_rank):
+    """One compressed all-reduce over simulated DP ranks; returns bytes of the collectives."""
+    firsts = [c.start(g) for c, g in zip(compressors, grads_per_rank)]
+    reduced = sum(buf for buf, _ in firsts)
+    qs = [c.middle(step, reduced.clone()) for c, (_, step) in zip(compressors, firsts)]
+    if qs[0] is None:
+        return None
+    reduced_q = sum(qs)
+    for c, (_, step) in zip(compressors, firsts):
+        c.finish(step, reduced_q.clone())
+    return (reduced.numel() + reduced_q.numel()) * 4
+
+
+def decaying_spectrum(n, m, decay, seed):
+    gen = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(n, n, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(m, m, generator=gen))
+    k = min(n, m)
+    s = torch.tensor([decay ** i for i in range(k)])
+    return (u[:, :k] * s) @ v[:, :k].T
+
+
+def test_rule():
+    assert is_compressible(1920, 7680, 64, 2.0)
+    assert not is_compressible(64, 64, 64, 2.0)      # min(n, m) must exceed r
+    assert not is_compressible(100, 100, 30, 2.0)    # 200*30*2 = 12000 > 10000
+    assert is_compressible(100, 100, 25, 2.0)        # 200*25*2 = 10000 <= 10000
+
+
+def test_warm_started_error_near_svd_optimum():
+    """A fixed gradient with a decaying spectrum: a few warm-started steps of power
+    iteration reach the rank-r SVD error within 10 %."""
+    n, m, r = 256, 512, 8
+    target = decaying_spectrum(n, m, 0.8, seed=1)
+    svd_err = torch.linalg.svdvals(target)[r:].pow(2).sum().sqrt()
+    comp = BucketCompressor([("w", (n, m))], r, seed=3)
+    errors = []
+    for _ in range(6):
+        g = target.clone()
+        simulated_step([comp], [[g]])
+        errors.append(torch.linalg.norm(target - g).item())
+        comp.groups[(n, m)].residual.zero_()  # measure the approximation, not EF
+    assert errors[-1] <= 1.10 * svd_err.item(), (errors, svd_err.item())
+    assert errors[0] > errors[-1]  # the warm start is what gets it there
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (96, 48), (64, 64)])
+def test_full_rank_equals_dense_allreduce(shape):
+    n, m = shape
+    world = 4
+    gen = torch.Generator().manual_seed(0)
+    entries = [("a", (n, m)), ("b", (n, m)), ("bias", (1, n)), ("c", (n, m))]
+    comps = [BucketCompressor(entries, min(n, m), compress_all=True, seed=7)
+             for _ in range(world)]
+    for _ in range(2):
+        grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(world)]
+        expected = [sum(grads[r][i] for r in range(world)) for i in range(len(entries))]
+        simulated_step(comps, grads)
+        for r in range(world):
+            for i, exp in enumerate(expected):
+                rel = (torch.linalg.norm(grads[r][i] - exp) / torch.linalg.norm(exp)).item()
+                assert rel < 1e-5, (r, i, rel)
+        # Full rank: nothing left over in total; when P spans all n rows, nothing per rank.
+        total = sum(comps[r].groups[(n, m)].residual for r in range(world))
+        assert total.abs().max() < 1e-4
+        if n <= m:
+            assert all(comps[r].groups[(n, m)].residual.abs().max() < 1e-4 for r in range(world))
+
+
+def test_replicas_identical_and_error_feedback_conserves_mass():
+    n, m, r, world = 64, 128, 4, 3
+    entries = [("w1", (n, m)), ("w2", (n, m)), ("w3", (128, 64)), ("b", (1, 64))]
+    comps = [BucketCompressor(entries, r, seed=1) for _ in range(world)]
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(world)]
+    originals = [[g.clone() for g in gs] for gs in grads]
+    bytes_sent = simulated_step(comps, grads)
+    # Every rank holds the same approximation.
+    for i in range(len(entries)):
+        for rk in range(1, world):
+            assert torch.equal(grads[0][i], grads[rk][i])
+    # Each residual is what the shared basis misses of that rank's own input, and
+    # sum of inputs = approximation + sum of residuals (nothing lost).
+    for key in comps[0].groups:
+        g = comps[0].groups[key]
+        for j, i in enumerate(g.indices):
+            total_in = sum(originals[rk][i] for rk in range(world))
+            total_res = sum(comps[rk].groups[key].residual[j] for rk in range(world))
+            assert torch.allclose(grads[0][i] + total_res, total_in, atol=1e-4)
+            p_hat = torch.linalg.qr(grads[0][i])[0][:, :r]  # span of the approximation
+            local = originals[1][i]
+            assert torch.allclose(comps[1].groups[key].residual[j],
+                                  local - p_hat @ (p_hat.T @ local), atol=1e-4)
+    # The bias is all-reduced exactly.
+    assert torch.allclose(grads[0][3], sum(originals[rk][3] for rk in range(world)), atol=1e-6)
+    # Bytes: (n+m) r per compressed matrix, the bias dense, one flag element.
+    assert bytes_sent == 4 * (2 * (64 + 128) * r + (128 + 64) * r + 64 + 1)
+    assert bytes_sent == comps[0].compressed_numel() * 4
+
+
+def test_rank_change_resizes_q_keeps_residual():
+    n, m = 64, 128
+    comp = BucketCompressor([("w", (n, m))], 8, seed=2)
+    g = torch.randn(n, m)
+    simulated_step([comp], [[g]])
+    res = comp.groups[(n, m)].residual.clone()
+    q8 = comp.groups[(n, m)].q.clone()
+    comp.set_rank(4)
+    assert comp.groups[(n, m)].q.shape == (1, m, 4)
+    assert torch.equal(comp.groups[(n, m)].q, q8[:, :, :4])
+    assert torch.equal(comp.groups[(n, m)].residual, res)
+    comp.set_rank(12)
+    q12 = comp.groups[(n, m)].q
+    assert q12.shape == (1, m, 12) and torch.equal(q12[:, :, :4], q8[:, :, :4])
+    other = BucketCompressor([("w", (n, m))], 8, seed=2)  # another rank: same new columns
+    simulated_step([other], [[torch.randn(n, m)]])
+    other.groups[(n, m)].q = q8.clone()
+    other.set_rank(4)
+    other.set_rank(12)
+    assert torch.equal(other.groups[(n, m)].q, q12)
+
+
+def test_matrix_going_dense_hands_back_its_residual():
+    comp = BucketCompressor([("w", (40, 40))], 4, seed=0)   # 80*4*2 = 640 <= 1600
+    g = torch.randn(40, 40)
+    original = g.clone()
+    simulated_step([comp], [[g]])
+    res = comp.groups[(40, 40)].residual[0].clone()
+    comp.set_rank(16)                                          # 80*16*2 = 2560 > 1600: dense
+    assert not comp.groups and comp.dense_indices == [0]
+    g2 = torch.zeros(40, 40)
+    simulated_step([comp], [[g2]])
+    assert torch.allclose(g2, res)                             # the residual was sent
+    assert torch.allclose(g + res, original, atol=1e-5)
+
+
+def test_nonfinite_bucket_goes_dense_and_keeps_residual():
+    entries = [("w", (32, 64))]
+    comps = [BucketCompressor(entries, 2, seed=0) for _ in range(2)]
+    simulated_step(comps, [[torch.randn(32, 64)], [torch.randn(32, 64)]])
+    before = [c.groups[(32, 64)].residual.clone() for c in comps]
+    bad = torch.randn(32, 64)
+    bad[3, 5] = float("nan")
+    assert simulated_step(comps, [[bad], [torch.randn(32, 64)]]) is None  # both ranks agree
+    for c, b in zip(comps, before):
+        assert torch.equal(c.groups[(32, 64)].residual, b)
+
+
+def test_orthonormalize_guards_zero_columns():
+    p = torch.zeros(2, 10, 3)
+    p[0, :, 0] = 1.0
+    q = orthonormalize(p)
+    assert torch.isfinite(q).all()
+    eye = torch.eye(3).expand(2, 3, 3)
+    assert torch.allclose(q.transpose(1, 2) @ q, eye, atol=1e-6)
+
+
+def test_state_round_trip():
+    comp = BucketCompressor([("w", (32, 64)), ("v", (32, 64))], 4, seed=0)
+    simulated_step([comp, BucketCompressor([("w", (32, 64)), ("v", (32, 64))], 4, seed=0)],
+                   [[torch.randn(32, 64), torch.randn(32, 64)]] * 2)
+    state = comp.state_dict()
+    fresh = BucketCompressor([("w", (32, 64)), ("v", (32, 64))], 4, seed=0)
+    assert fresh.load_state_dict(state) == []
+    for key, g in comp.groups.items():
+        assert torch.equal(fresh.groups[key].q, g.q)
+        assert torch.equal(fresh.groups[key].residual, g.residual)
