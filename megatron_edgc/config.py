@@ -39,8 +39,10 @@ def knob(default: Any, help: str, *, min: Optional[float] = None, max: Optional[
                                                 min_exclusive=min_exclusive))
 
 
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_of(name: str, section=None) -> str:
+    """``num_layers`` -> ``--num-layers``; a section may prefix its flags (``--edgc-rank``)."""
+    prefix = getattr(section, "FLAG_PREFIX", "") if section is not None else ""
+    return "--" + (prefix + name).replace("_", "-")
 
 
 def _base_type(tp) -> type:
@@ -57,7 +59,7 @@ def _check_ranges(section) -> None:
         value = getattr(section, f.name)
         if value is None:
             continue
-        meta, flag = f.metadata, flag_of(f.name)
+        meta, flag = f.metadata, flag_of(f.name, section)
         base = _base_type(f.type)
         if base is bool and not isinstance(value, bool):
             raise ConfigError(flag, f"must be true or false (got {value!r})")
@@ -360,6 +362,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class EdgcConfig:
+    """Gradient compression of Megatron's DP gradient sync (EDGC §1).
+
+    YAML section ``edgc:`` with keys ``mode``, ``rank``, ...; flags ``--edgc-mode``, ...
+    """
+
+    FLAG_PREFIX = "edgc_"
+
+    mode: str = knob("off", "off: plain megatron-core DP sync; static: PowerSGD at --edgc-rank; "
+                            "edgc: rank chosen by the entropy controller",
+                     choices=("off", "static", "edgc"))
+    rank: int = knob(8, "PowerSGD rank (static mode)", min=1)
+    min_compression_rate: float = knob(
+        2.0, "compress a matrix only if it shrinks at least this much: (n+m) r x rate <= n m",
+        min=1.0)
+    start_iter: int = knob(0, "iterations of dense DP sync before compression starts", min=0)
+
+    def resolve(self) -> None:
+        if self.mode == "edgc":
+            raise ConfigError("--edgc-mode", "'edgc' (the entropy-driven rank controller) is "
+                                             "not available in this version; use off or static")
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs; sections map to YAML sections."""
 
@@ -370,6 +396,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    edgc: EdgcConfig = field(default_factory=EdgcConfig)
     config_file: Optional[str] = None
     allow_untested_megatron: bool = False
 
@@ -396,6 +423,7 @@ class RunConfig:
         self.data.resolve()
         self.logging.resolve()
         self.checkpoint.resolve()
+        self.edgc.resolve()
 
         m, p, t = self.model, self.parallel, self.training
         tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
@@ -458,7 +486,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     seen = set()
     groups = {}
     for section_name, f in _all_fields(RunConfig()):
-        flag = flag_of(f.name)
+        flag = flag_of(f.name, type(getattr(RunConfig(), section_name)))
         assert flag not in seen, f"duplicate flag {flag}"
         seen.add(flag)
         group = groups.setdefault(section_name, parser.add_argument_group(section_name))

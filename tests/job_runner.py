@@ -1,6 +1,9 @@
 """Run one training job in a fresh interpreter and dump every rank's results.
 
-    python tests/job_runner.py OUT_DIR [pretrain flags...]
+    python tests/job_runner.py OUT_DIR [--inject-nan-at ITER] [pretrain flags...]
+
+``--inject-nan-at ITER`` writes a NaN into DP rank 1's first gradient of iteration ITER
+(0-based) just before the DP sync (a test of the non-finite guard).
 
 A fresh process matters: workers are forked after the imports, which is only safe
 before the forking process has run torch operations (OpenMP thread pools do not survive
@@ -20,7 +23,12 @@ from megatron_edgc.training.launch import spawn_local  # noqa: E402
 
 def main() -> int:
     out_dir, argv = sys.argv[1], sys.argv[2:]
+    inject_at = None
+    if argv[:1] == ["--inject-nan-at"]:
+        inject_at, argv = int(argv[1]), argv[2:]
     from megatron.core import parallel_state
+
+    from megatron_edgc.patches import ddp
 
     from megatron_edgc.training.loop import Trainer, init_worker, shutdown_worker
 
@@ -29,6 +37,15 @@ def main() -> int:
 
     def target(rank, world, local):
         init_worker(cfg, rank, world, local)
+        if inject_at is not None:
+            original = ddp.DPGradientCompression._start
+
+            def poisoned_start(self, group):
+                if self.iteration == inject_at and parallel_state.get_data_parallel_rank() == 1:
+                    group.buckets[0].params_list[0].main_grad.view(-1)[0] = float("nan")
+                return original(self, group)
+
+            ddp.DPGradientCompression._start = poisoned_start
         try:
             trainer = Trainer(cfg)
             summary = trainer.run()
@@ -38,7 +55,11 @@ def main() -> int:
             torch.save({"tp": parallel_state.get_tensor_model_parallel_rank(),
                         "pp": parallel_state.get_pipeline_model_parallel_rank(),
                         "dp": parallel_state.get_data_parallel_rank(),
-                        "params": params, "summary": summary},
+                        "params": params, "summary": summary,
+                        "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
+                                         for g in c.bucket_groups),
+                        "compression": trainer.dp_compression.state_dict()
+                        if trainer.dp_compression is not None else None},
                        os.path.join(out_dir, f"rank{rank}.pt"))
             return 0
         finally:

@@ -23,7 +23,9 @@ def pretrain(argv, timeout=300):
      "--data-parallel-size", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
     ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
      "--use-distributed-optimizer", "--overlap-grad-reduce"],
-], ids=["tp1-pp2-dp2-dropout", "distopt-overlap"])
+    ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+     "--edgc-mode", "static", "--edgc-rank", "4"],
+], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")

@@ -65,6 +65,11 @@ def test_world_size_from_launcher(small_model_argv):
     (["--load", "/nonexistent/ckpt"], "--load", "is not a directory", None),
     (["--data-path", "/nonexistent/prefix"], "--data-path", "does not exist", None),
     (["--vocab-file", "/nonexistent/vocab.json"], "--vocab-file", "does not exist", None),
+    (["--edgc-rank", "0"], "--edgc-rank", "must be in [1, inf] (got 0)", None),
+    (["--edgc-rank", "-3"], "--edgc-rank", "must be in [1, inf]", None),
+    (["--edgc-min-compression-rate", "0.5"], "--edgc-min-compression-rate", "[1.0, inf]", None),
+    (["--edgc-start-iter", "-1"], "--edgc-start-iter", "[0, inf]", None),
+    (["--edgc-mode", "edgc"], "--edgc-mode", "not available in this version", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)
@@ -93,6 +98,18 @@ def test_bad_files(small_model_argv, corpus_data, tmp_path):
     blocker.write_text("x")
     expect_error(small_model_argv + ["--metrics-file", str(blocker / "m.jsonl")],
                  "--metrics-file", "cannot be written")
+
+
+def test_edgc_yaml_section_and_flags(small_model_argv, tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("edgc:\n  mode: static\n  rank: 16\n")
+    cfg = parse_config(small_model_argv + ["--config", str(cfg_file)])
+    assert (cfg.edgc.mode, cfg.edgc.rank) == ("static", 16)
+    cfg = parse_config(small_model_argv + ["--config", str(cfg_file), "--edgc-rank", "4"])
+    assert cfg.edgc.rank == 4
+    cfg_file.write_text("edgc:\n  mode: sometimes\n")
+    expect_error(small_model_argv + ["--config", str(cfg_file)], "--edgc-mode",
+                 "must be one of off, static, edgc")
 
 
 def test_bad_yaml(small_model_argv, tmp_path):

@@ -6,3 +6,4 @@ import warnings
 # torch implementations; that is the expected configuration on CPU, not news.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not) "
                                           "(are not |)installed.*")
+warnings.filterwarnings("ignore", message="full scope is deprecated")  # cuda-graph default

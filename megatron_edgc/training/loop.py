@@ -24,6 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
+from megatron_edgc.patches.ddp import DPGradientCompression
 from megatron_edgc.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
@@ -63,6 +64,17 @@ class Trainer:
                                             p.tensor_model_parallel_size)
         self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
         self._wire_model_config()
+        self.dp_compression = None
+        if cfg.edgc.mode != "off":
+            self.dp_compression = DPGradientCompression(
+                self.bundle.chunks, self.dp_group, rank=cfg.edgc.rank,
+                min_compression_rate=cfg.edgc.min_compression_rate,
+                start_iter=cfg.edgc.start_iter, seed=cfg.training.seed)
+            ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
+                                     self.dp_compression.load_state_dict)
+        self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
+                                   for c in self.bundle.chunks for g in c.bucket_groups
+                                   for b in g.buckets)
 
         t, e = cfg.training, cfg.eval
         gbs = t.global_batch_size
@@ -145,13 +157,38 @@ class Trainer:
         for chunk in self.bundle.chunks:
             chunk.zero_grad_buffer()
         self.bundle.optimizer.zero_grad()
+        if self.dp_compression is not None:
+            self.dp_compression.set_iteration(self.iteration)
         losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
             self.bundle.scheduler.step(increment=1)
-        return {"loss": self._dp_mean_loss(losses),
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "skipped": not update_ok}
+        out = {"loss": self._dp_mean_loss(losses),
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "skipped": not update_ok}
+        out.update(self._dp_sync_record())
+        return out
+
+    def _dp_sync_record(self) -> dict:
+        """DP-sync telemetry: this rank's bytes and times, and the whole job's bytes."""
+        st = self.dp_compression.stats if self.dp_compression is not None else None
+        sent = st.bytes_sent if st else self._dense_dp_bytes
+        dense = st.bytes_dense if st else self._dense_dp_bytes
+        totals = torch.tensor([sent, dense], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        rec = {"dp_bytes_sent": sent, "dp_bytes_dense": dense,
+               "dp_bytes_ratio": sent / dense if dense else 1.0,
+               "dp_bytes_sent_job": int(totals[0].item()),
+               "dp_bytes_dense_job": int(totals[1].item()),
+               "rank_dp": self.dp_compression.rank
+               if st is not None and st.compressed else None}
+        if st is not None:
+            rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
+                       dp_nonfinite_buckets=st.nonfinite_buckets)
+            if st.events and self.dp_rank == 0:
+                for event in st.events:
+                    print(f"iteration {self.iteration + 1}: {event}", flush=True)
+        return rec
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -194,7 +231,7 @@ class Trainer:
                           "lr": self.bundle.optimizer.param_groups[0]["lr"],
                           "iter_ms": iter_ms, "tokens": tokens_per_iter,
                           "tokens_per_s": tokens_per_iter / (iter_ms / 1e3),
-                          "grad_norm": step["grad_norm"], "skipped": step["skipped"]}
+                          **{k: v for k, v in step.items() if k != "loss"}}
                 if self.iteration % cfg.eval.eval_interval == 0 \
                         or self.iteration == t.train_iters:
                     val_loss = self.evaluate()

@@ -1,0 +1,228 @@
+"""PowerSGD on megatron-core's data-parallel gradient sync (EDGC §1).
+
+megatron-core 0.16.1 reduces gradients per bucket group in
+``_ParamAndGradBucketGroup.start_grad_sync`` (scale by ``gradient_scaling_factor``, then
+all-reduce, or reduce-scatter for the distributed optimizer, async with
+``overlap_grad_reduce``) and waits in ``finish_grad_sync``. With compression on, this
+module replaces those two methods on each bucket-group *instance*:
+
+* start: scale as Megatron does, then for each bucket compute ``P = (G + E) Q`` and launch
+  one SUM all-reduce of ``[P... | dense rest | non-finite flag]`` — asynchronously when
+  ``overlap_grad_reduce`` is on, so each bucket goes out as soon as it is ready;
+* finish: wait, orthonormalize, all-reduce ``Q``, and write the decompressed average into
+  the bucket's ``grad_data`` — on every rank, so with the distributed optimizer each rank
+  simply reads its shard of it (the all-reduce replaces the reduce-scatter).
+
+Everything after (the tied-embedding sync between first and last stage, gradient
+clipping, the optimizer) sees an ordinary reduced gradient. With compression off nothing
+is patched, and training is bit-identical to plain megatron-core. Before
+``start_iter`` (and whenever the rank table says "dense") the original methods run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
+
+logger = logging.getLogger(__name__)
+
+#: megatron-core versions whose ``_ParamAndGradBucketGroup`` this patch was written for.
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+
+@dataclass
+class DPSyncStats:
+    """Per-iteration DP-sync telemetry of this rank."""
+
+    bytes_sent: int = 0      # bytes placed into DP collectives
+    bytes_dense: int = 0     # bytes plain megatron-core would have placed
+    compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
+    comm_s: float = 0.0      # time waiting for the collectives
+    nonfinite_buckets: int = 0
+    compressed: bool = False
+    events: list = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
+        self.compress_s = self.comm_s = 0.0
+        self.compressed = False
+        self.events = []
+
+
+class _PendingSync:
+    """The in-flight first collective of a bucket group; ``wait()`` completes the sync."""
+
+    def __init__(self, finish: Callable[[], None]):
+        self._finish = finish
+
+    def wait(self) -> None:
+        self._finish()
+
+
+def _bucket_grad_bytes(bucket) -> int:
+    return bucket.grad_data.numel() * bucket.grad_data.element_size()
+
+
+class DPGradientCompression:
+    """Owns one :class:`BucketCompressor` per DDP bucket and patches the bucket groups.
+
+    ``rank_for_bucket`` is consulted every iteration (a static rank, or the controller's
+    table entry for this pipeline stage); ``iteration`` is set by the training loop and
+    compression runs from ``start_iter`` on.
+    """
+
+    def __init__(self, chunks, dp_group, *, rank: int, min_compression_rate: float,
+                 start_iter: int, seed: int):
+        from megatron.core import package_info
+
+        if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
+            logger.warning("DP compression patch written for megatron-core %s, running on %s",
+                           TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.rank = rank
+        self.start_iter = start_iter
+        self.iteration = 0
+        self.stats = DPSyncStats()
+        self.compressors: dict[str, BucketCompressor] = {}
+        self._bucket_key: dict[int, str] = {}
+        self.bucket_groups = []
+        for ci, chunk in enumerate(chunks):
+            names = {p: f"chunk{ci}.{n}" for n, p in chunk.module.named_parameters()}
+            for gi, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
+                for bi, bucket in enumerate(group.buckets):
+                    key = f"chunk{ci}.group{gi}.bucket{bi}"
+                    entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
+                    self.compressors[key] = BucketCompressor(
+                        entries, rank, min_compression_rate=min_compression_rate,
+                        seed=seed, device=bucket.grad_data.device)
+                    self._bucket_key[id(bucket)] = key
+                self._patch(group)
+                self.bucket_groups.append(group)
+
+    # ------------------------------------------------------------------ control
+
+    @property
+    def active(self) -> bool:
+        return self.iteration >= self.start_iter
+
+    def set_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.stats.reset()
+
+    def set_rank(self, rank: int) -> None:
+        self.rank = rank
+        for comp in self.compressors.values():
+            comp.set_rank(rank)
+
+    def dense_bytes_per_iteration(self) -> int:
+        return sum(_bucket_grad_bytes(b) for g in self.bucket_groups for b in g.buckets)
+
+    def compressed_bytes_per_iteration(self) -> int:
+        return sum(c.compressed_numel() for c in self.compressors.values()) * FLOAT_BYTES
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank,
+                "buckets": {k: c.state_dict() for k, c in self.compressors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rank"] != self.rank:
+            self.set_rank(state["rank"])
+        for key, comp in self.compressors.items():
+            if key not in state["buckets"]:
+                logger.warning("no compressor state for %s in the checkpoint: starting fresh", key)
+                continue
+            bad = comp.load_state_dict(state["buckets"][key])
+            if bad:
+                logger.warning("compressor state of %s did not fit this model: reset", bad)
+
+    # ------------------------------------------------------------------ the patch
+
+    def _patch(self, group) -> None:
+        original_start, original_finish = group.start_grad_sync, group.finish_grad_sync
+        owner = self
+
+        def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
+            if not owner.active:
+                owner.stats.bytes_sent += sum(_bucket_grad_bytes(b) for b in self.buckets)
+                owner.stats.bytes_dense += sum(_bucket_grad_bytes(b) for b in self.buckets)
+                return original_start(force_all_reduce=force_all_reduce)
+            if self.is_first_batch and self.grad_reduce_handle is not None:
+                return  # already dispatched in the first batch (mirrors megatron-core)
+            assert self.grad_reduce_handle is None, \
+                "Should not have multiple communication calls outstanding at once"
+            owner._start(self)
+
+        def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+            if not owner.active:
+                return original_finish(force_all_reduce=force_all_reduce)
+            self.param_gather_dispatched = False
+            if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+                start_grad_sync(self, force_all_reduce)
+            assert self.grad_reduce_handle is not None, "grad sync was not started"
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+
+        group.start_grad_sync = types.MethodType(start_grad_sync, group)
+        group.finish_grad_sync = types.MethodType(finish_grad_sync, group)
+
+    def _start(self, group) -> None:
+        stats = self.stats
+        stats.compressed = True
+        async_op = group.ddp_config.overlap_grad_reduce
+        scale_extra = 1.0 / self.dp_size if group.ddp_config.average_in_collective else 1.0
+        launched = []
+        for bucket in group.buckets:
+            t0 = time.perf_counter()
+            factor = bucket.gradient_scaling_factor * scale_extra
+            if factor != 1.0:
+                bucket.grad_data *= factor
+            comp = self.compressors[self._bucket_key[id(bucket)]]
+            grads = [p.main_grad.view(matrix_shape(p.shape)) for p in bucket.params_list]
+            buf, step = comp.start(grads)
+            stats.compress_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            handle = dist.all_reduce(buf, group=self.dp_group, async_op=async_op)
+            stats.comm_s += time.perf_counter() - t0
+            stats.bytes_sent += buf.numel() * buf.element_size()
+            stats.bytes_dense += _bucket_grad_bytes(bucket)
+            launched.append((bucket, comp, buf, step, handle))
+
+        def finish():
+            for bucket, comp, buf, step, handle in launched:
+                t0 = time.perf_counter()
+                if handle is not None:
+                    handle.wait()
+                stats.comm_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                q_buf = comp.middle(step, buf)
+                stats.compress_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if q_buf is None:  # a non-finite value somewhere: this bucket goes dense
+                    stats.nonfinite_buckets += 1
+                    stats.events.append(f"non-finite gradient in "
+                                        f"{self._bucket_key[id(bucket)]}: sent dense, "
+                                        f"error feedback untouched")
+                    dist.all_reduce(bucket.grad_data, group=self.dp_group)
+                    stats.bytes_sent += _bucket_grad_bytes(bucket)
+                    stats.comm_s += time.perf_counter() - t0
+                    continue
+                if q_buf.numel():
+                    dist.all_reduce(q_buf, group=self.dp_group)
+                    stats.bytes_sent += q_buf.numel() * q_buf.element_size()
+                stats.comm_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                comp.finish(step, q_buf)
+                stats.compress_s += time.perf_counter() - t0
+
+        group.grad_reduce_handle = _PendingSync(finish)

@@ -1,0 +1,102 @@
+"""PowerSGD on megatron-core's DP gradient sync, 4 gloo processes."""
+
+import math
+
+import pytest
+import torch
+
+from distributed import assert_dp_replicas_identical, read_jsonl, run_job
+from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+
+RANK = 4
+LAYOUTS = {
+    "tp1-pp2-dp2": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2"],
+    "tp2-pp2-dp1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--data-parallel-size", "1"],
+    "tp1-pp2-dp2-overlap": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                            "--overlap-grad-reduce", "--bucket-size", "20000"],
+    "tp1-pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                            "--use-distributed-optimizer"],
+}
+
+
+def expected_bytes(params: dict, n_buckets: int, rank: int) -> int:
+    """From the shapes: (n+m) r per compressed matrix, the rest dense, a flag per bucket."""
+    elements = n_buckets
+    for tensor in params.values():
+        n, m = matrix_shape(tensor.shape)
+        if n > 1 and is_compressible(n, m, rank, 2.0):
+            elements += (n + m) * rank
+        else:
+            elements += tensor.numel()
+    return 4 * elements
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(small_model_argv + LAYOUTS[layout] + [
+        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics],
+        str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    if "dp1" not in layout:
+        assert assert_dp_replicas_identical(results) > 0
+    # The logging rank is the last stage, DP rank 0, TP rank 0.
+    logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
+    want = expected_bytes(logger["params"], logger["n_buckets"], RANK)
+    want_job = sum(expected_bytes(r["params"], r["n_buckets"], RANK) for r in results)
+    for rec in records:
+        assert rec["dp_bytes_sent"] == want
+        assert rec["dp_bytes_sent_job"] == want_job
+        assert rec["dp_bytes_dense"] >= 4 * sum(t.numel() for t in logger["params"].values())
+        assert rec["rank_dp"] == RANK
+        assert rec["dp_bytes_sent"] < rec["dp_bytes_dense"] / 4
+
+
+def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):
+    """Mode off and a patched-but-dense run are bit-identical; compression starts at
+    --edgc-start-iter and changes the trajectory from there on."""
+    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "10"]
+    runs = {}
+    for name, extra in {"off": ["--edgc-mode", "off"],
+                        "late": ["--edgc-mode", "static", "--edgc-start-iter", "10"],
+                        "at5": ["--edgc-mode", "static", "--edgc-start-iter", "5"]}.items():
+        metrics = str(tmp_path / f"{name}.jsonl")
+        res = run_job(base + extra + ["--metrics-file", metrics], str(tmp_path / name))
+        runs[name] = ([r["loss"] for r in read_jsonl(metrics)], res, read_jsonl(metrics))
+    off_losses, off_res, _ = runs["off"]
+    assert runs["late"][0] == off_losses                  # bitwise, 10 iterations
+    for a, b in zip(off_res, runs["late"][1]):
+        for name, t in a["params"].items():
+            assert torch.equal(t, b["params"][name]), name
+    at5 = runs["at5"][0]
+    assert at5[:5] == off_losses[:5] and at5[5:] != off_losses[5:]
+    recs = runs["at5"][2]
+    assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] for r in recs[:5])
+    assert all(r["dp_bytes_sent"] < r["dp_bytes_dense"] for r in recs[5:])
+
+
+def test_nonfinite_bucket_goes_dense_without_polluting_error_feedback(small_model_argv,
+                                                                     tmp_path):
+    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + ["--edgc-mode", "static",
+                                                        "--edgc-rank", str(RANK)]
+    clean = run_job(base + ["--train-iters", "4"], str(tmp_path / "clean"))
+    metrics = str(tmp_path / "nan.jsonl")
+    poisoned = run_job(["--inject-nan-at", "4"] + base + ["--train-iters", "5",
+                                                          "--metrics-file", metrics],
+                       str(tmp_path / "nan"))
+    last = read_jsonl(metrics)[-1]
+    assert last["iteration"] == 5
+    assert math.isnan(last["grad_norm"])            # the optimizer sees it, as with dense
+    # The bucket of the stage the NaN was injected into went dense on both of its DP ranks,
+    # so the logging rank (last stage) flags it when it is that stage, and every rank's
+    # error-feedback state is exactly what it was after the clean iteration 4.
+    for a, b in zip(clean, poisoned):
+        for key, bucket in a["compression"]["buckets"].items():
+            other = b["compression"]["buckets"][key]
+            for name, mat in bucket["matrices"].items():
+                assert torch.equal(mat["residual"], other["matrices"][name]["residual"]), name
+                assert torch.equal(mat["q"], other["matrices"][name]["q"]), name
+    assert last["dp_nonfinite_buckets"] >= 1
