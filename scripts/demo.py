@@ -15,8 +15,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> extra flags; the gradient-compression modes join as they land.
-RUNS = {"dense": []}
+# name -> extra flags; EDGC (the entropy-driven rank) joins with the rank controller.
+RUNS = {"dense": [], "static-r8": ["--edgc-mode", "static", "--edgc-rank", "8"]}
 
 
 def main() -> int:
@@ -39,10 +39,11 @@ def main() -> int:
             summaries[name] = json.load(fh)
     print()
     print(f"{'run':<10} {'first loss':>10} {'final loss':>10} {'val loss':>9} {'val ppl':>9} "
-          f"{'ms/iter':>8}")
+          f"{'ms/iter':>8} {'DP MiB/iter':>11}")
     for name, s in summaries.items():
+        mib = "—" if s.get("dp_bytes_per_iter") is None else f"{s['dp_bytes_per_iter'] / 2**20:.2f}"
         print(f"{name:<10} {s['first_loss']:>10.4f} {s['final_loss']:>10.4f} {s['val_loss']:>9.4f} "
-              f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f}")
+              f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11}")
     print(f"\nmetrics, summaries and TensorBoard events: {args.out}")
     return 0
 

@@ -9,6 +9,20 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+#: The 4-process layouts the wiring is tested under.
+LAYOUTS = {
+    "tp1-pp2-dp2": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                    "--data-parallel-size", "2"],
+    "tp2-pp2-dp1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--data-parallel-size", "1"],
+    "tp1-pp2-dp2-overlap": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                            "--overlap-grad-reduce", "--bucket-size", "20000"],
+    "tp1-pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                            "--use-distributed-optimizer"],
+    "tp1-pp2-dp2-interleaved": ["--pipeline-model-parallel-size", "2", "--data-parallel-size",
+                                "2", "--virtual-pipeline-model-parallel-size", "2"],
+}
+
 
 def run_job(argv, out_dir, timeout=600):
     """Train with ``argv`` on TP x PP x DP local processes; return per-rank results.

@@ -174,3 +174,17 @@ def test_state_round_trip():
     for key, g in comp.groups.items():
         assert torch.equal(fresh.groups[key].q, g.q)
         assert torch.equal(fresh.groups[key].residual, g.residual)
+
+
+def test_bf16_gradient_buffers():
+    """Math in fp32, results written back into bf16 gradients; replicas agree."""
+    entries = [("w", (64, 128)), ("b", (1, 64))]
+    comps = [BucketCompressor(entries, 4, seed=0) for _ in range(2)]
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(*s, generator=gen).bfloat16() for _, s in entries] for _ in range(2)]
+    expected_bias = (grads[0][1].float() + grads[1][1].float()).bfloat16()
+    simulated_step(comps, grads)
+    assert grads[0][0].dtype == torch.bfloat16
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert torch.equal(grads[0][1], expected_bias)
+    assert comps[0].groups[(64, 128)].residual.dtype == torch.float32

@@ -4,26 +4,16 @@ import os
 
 import pytest
 
-from distributed import assert_dp_replicas_identical, read_jsonl, run_job
+from distributed import LAYOUTS, assert_dp_replicas_identical, read_jsonl, run_job
 
-LAYOUTS = {
-    "tp1-pp2-dp2": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                    "--data-parallel-size", "2"],
-    "tp2-pp2-dp1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                    "--data-parallel-size", "1"],
-    "tp1-pp2-dp2-overlap": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
-                            "--overlap-grad-reduce", "--bucket-size", "20000"],
-    "tp1-pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
-                            "--use-distributed-optimizer"],
-    "tp1-pp2-dp2-interleaved": ["--pipeline-model-parallel-size", "2", "--data-parallel-size",
-                                "2", "--virtual-pipeline-model-parallel-size", "2"],
-}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_decreases_and_dp_replicas_identical(layout, small_model_argv, tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
-    results = run_job(small_model_argv + LAYOUTS[layout] + ["--metrics-file", metrics],
+    tb = tmp_path / "tb"
+    results = run_job(small_model_argv + LAYOUTS[layout] + ["--metrics-file", metrics,
+                                                            "--tensorboard-dir", str(tb)],
                       str(tmp_path / "out"))
     records = read_jsonl(metrics)
     assert [r["iteration"] for r in records] == list(range(1, 21))
@@ -42,3 +32,19 @@ def test_loss_decreases_and_dp_replicas_identical(layout, small_model_argv, tmp_
     assert compared > 0 if dp > 1 else compared == 0
     # Same data, same seeds: TP2 and TP1 see the same loss at iteration 1.
     assert abs(losses[0] - 7.62) < 0.3
+
+
+def test_tensorboard_events_hold_the_metrics(small_model_argv, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + [
+        "--train-iters", "4", "--metrics-file", metrics, "--tensorboard-dir", tb],
+        str(tmp_path / "out"))
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("loss")]
+    assert len(losses) == 4
+    expected = [r["loss"] for r in read_jsonl(metrics)]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses, expected))
+    assert {"lr", "iter_ms", "dp_bytes_sent", "val_loss"} <= set(acc.Tags()["scalars"])

@@ -153,12 +153,13 @@ class DPGradientCompression:
         owner = self
 
         def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
-            if not owner.active:
-                owner.stats.bytes_sent += sum(_bucket_grad_bytes(b) for b in self.buckets)
-                owner.stats.bytes_dense += sum(_bucket_grad_bytes(b) for b in self.buckets)
-                return original_start(force_all_reduce=force_all_reduce)
             if self.is_first_batch and self.grad_reduce_handle is not None:
                 return  # already dispatched in the first batch (mirrors megatron-core)
+            if not owner.active:
+                dense = sum(_bucket_grad_bytes(b) for b in self.buckets)
+                owner.stats.bytes_sent += dense
+                owner.stats.bytes_dense += dense
+                return original_start(force_all_reduce=force_all_reduce)
             assert self.grad_reduce_handle is None, \
                 "Should not have multiple communication calls outstanding at once"
             owner._start(self)

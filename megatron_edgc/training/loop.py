@@ -276,6 +276,8 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
         "val_ppl": math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
         "ms_per_iter": float(numpy.mean(ms)) if ms else None,
         "tokens_per_s": float(numpy.mean([r["tokens_per_s"] for r in steady])) if steady else None,
+        "dp_bytes_per_iter": float(numpy.mean([r["dp_bytes_sent_job"] for r in history]))
+        if history else None,
         "wall_s": wall_s,
         "layout": f"TP{cfg.parallel.tensor_model_parallel_size}·"
                   f"PP{cfg.parallel.pipeline_model_parallel_size}·"

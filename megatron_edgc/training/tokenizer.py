@@ -43,7 +43,25 @@ def load_gpt2_ranks(path: str) -> dict:
     return ranks
 
 
-class GPT2BPETokenizer:
+class _DocumentTokenizer:
+    """What both tokenizers share: ``<|endoftext|>`` ends a document (``eod`` = ``eos``)."""
+
+    _eod: int
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    @property
+    def inv_vocab(self):
+        return {i: tok for tok, i in self.vocab.items()}
+
+
+class GPT2BPETokenizer(_DocumentTokenizer):
     """GPT-2 BPE (50257 ids, ``<|endoftext|>`` = 50256 marks document ends).
 
     Duck-types what megatron-core's ``GPTDataset`` reads of a tokenizer (``eod``,
@@ -76,23 +94,11 @@ class GPT2BPETokenizer:
         return {self._enc.decode_single_token_bytes(i): i for i in range(self.vocab_size)}
 
     @property
-    def inv_vocab(self):
-        return {i: tok for tok, i in self.vocab.items()}
-
-    @property
     def vocab_size(self) -> int:
         return self._enc.n_vocab
 
-    @property
-    def eod(self) -> int:
-        return self._eod
 
-    @property
-    def eos(self) -> int:
-        return self._eod
-
-
-class CorpusBPETokenizer:
+class CorpusBPETokenizer(_DocumentTokenizer):
     """A small byte-level BPE trained on the corpus (HuggingFace ``tokenizers``).
 
     Same algorithm as GPT-2's BPE with a smaller vocabulary (default 8192): the tiny CPU
@@ -147,17 +153,6 @@ class CorpusBPETokenizer:
     def vocab(self):
         return self._tok.get_vocab()
 
-    @property
-    def inv_vocab(self):
-        return {i: t for t, i in self.vocab.items()}
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
 
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "CorpusBPETokenizer")

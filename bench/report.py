@@ -1,0 +1,46 @@
+"""Write a benchmark's section of BENCHMARKS.md (replacing its previous run), with the
+machine and the date."""
+
+import datetime
+import os
+import platform
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
+HEADER = ("# Benchmarks\n\nEach section is written by the command it names; rerun it to "
+          "refresh the figures. Ratios are measured side by side in one run; absolute times "
+          "on CPU are indicative only.\n")
+
+
+def machine() -> str:
+    import torch
+
+    try:
+        from megatron.core import package_info
+        mcore = package_info.__version__
+    except Exception:
+        mcore = "?"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            names = [l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, megatron-core {mcore}")
+
+
+def write_section(name: str, title: str, command: str, body: str) -> None:
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"{start}\n## {title}\n\n`{command}` — {stamp}; {machine()}\n\n"
+               f"{body.strip()}\n{end}")
+    text = open(BENCHMARKS).read() if os.path.exists(BENCHMARKS) else HEADER
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else \
+        text.rstrip() + "\n\n" + section + "\n"
+    with open(BENCHMARKS, "w") as fh:
+        fh.write(text)
