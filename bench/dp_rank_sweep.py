@@ -66,8 +66,9 @@ def main() -> int:
             f"{args.train_iters} iterations each, same data and seed.\n\n" + "\n".join(lines) +
             "\n\nBytes are what all ranks place into DP collectives per iteration (P, Q, the "
             "dense rest and one flag per bucket, fp32). Loopback gloo on 2 shared cores: the "
-            "communication is nearly free here, so the time column shows the compression "
-            "cost, not the saving a real network gives (see the slow-link benchmark).")
+            "communication is nearly free here and ms/iter varies by about ±10 % from run to "
+            "run, so the time columns are noise-level; the saving on a real network is for the "
+            "slow-link benchmark to measure.")
     write_section("dp_rank_sweep", "DP gradient compression: dense vs static PowerSGD ranks",
                   "python bench/dp_rank_sweep.py", body)
     print("\n".join(lines))
