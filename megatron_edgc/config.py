@@ -371,18 +371,43 @@ class EdgcConfig:
     FLAG_PREFIX = "edgc_"
 
     mode: str = knob("off", "off: plain megatron-core DP sync; static: PowerSGD at --edgc-rank; "
-                            "edgc: rank chosen by the entropy controller",
+                            "edgc: rank chosen per stage by the entropy controller",
                      choices=("off", "static", "edgc"))
     rank: int = knob(8, "PowerSGD rank (static mode)", min=1)
     min_compression_rate: float = knob(
         2.0, "compress a matrix only if it shrinks at least this much: (n+m) r x rate <= n m",
         min=1.0)
     start_iter: int = knob(0, "iterations of dense DP sync before compression starts", min=0)
+    # The controller (edgc mode), EDGC §2-5; defaults are the paper's (§8).
+    window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
+                       min=1)
+    iter_sample_rate: float = knob(0.1, "GDS iteration sampling rate α: entropy is measured on "
+                                        "every round(1/α)-th iteration of a window",
+                                   min=0.0, max=1.0, min_exclusive=True)
+    grad_sample_rate: float = knob(0.25, "GDS gradient sampling rate β: fraction of a stage's "
+                                         "gradient elements in the entropy sample",
+                                   min=0.0, max=1.0, min_exclusive=True)
+    rank_max: int = knob(64, "r_max: the rank when warm-up ends, and the upper clamp", min=1)
+    rank_min: Optional[int] = knob(None, "r_min: the lower clamp (default r_max / 4)", min=1)
+    rank_step: int = knob(8, "s: the largest rank change per window", min=1)
+    warmup_eps: float = knob(0.01, "ε_H: warm-up ends when the window-mean entropy moves less "
+                                   "than this (nats) ...", min=0.0, min_exclusive=True)
+    warmup_windows: int = knob(2, "... for this many consecutive windows (K)", min=1)
+    warmup_max_iters: Optional[int] = knob(None, "end warm-up here at the latest (default: no "
+                                                 "cap)", min=1)
+    entropy: str = knob("gaussian", "entropy estimator", choices=("gaussian", "histogram"))
+    g: str = knob("marchenko-pastur", "g(r) of the rank model: Gaussian theory, or residuals "
+                                      "measured on the real gradients at warm-up end",
+                  choices=("marchenko-pastur", "calibrated"))
+    check_table: bool = knob(False, "debug: compare a hash of the rank table over all ranks "
+                                    "at every window end and fail loudly on a mismatch")
 
     def resolve(self) -> None:
-        if self.mode == "edgc":
-            raise ConfigError("--edgc-mode", "'edgc' (the entropy-driven rank controller) is "
-                                             "not available in this version; use off or static")
+        if self.rank_min is None:
+            self.rank_min = max(1, self.rank_max // 4)
+        if self.rank_min > self.rank_max:
+            raise ConfigError("--edgc-rank-min", f"must be <= --edgc-rank-max ({self.rank_max}),"
+                                                 f" got {self.rank_min}")
 
 
 @dataclass
@@ -497,9 +522,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         if base is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            group.add_argument(flag, type=base, metavar=base.__name__.upper(),
-                               **({"choices": meta["choices"]} if meta.get("choices") else {}),
-                               **kwargs)
+            # Choices are checked by the validator, so every bad value gets the same
+            # one-line "--flag: must be one of ..." error.
+            metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta.get("choices") \
+                else base.__name__.upper()
+            group.add_argument(flag, type=base, metavar=metavar, **kwargs)
     return parser
 
 

@@ -75,7 +75,10 @@ def format_progress(it: int, total: int, rec: dict) -> str:
              f"{rec['iter_ms']:8.1f} ms/iter", f"{rec['tokens_per_s']:9.0f} tok/s",
              f"grad norm {rec['grad_norm']:.3f}"]
     if rec.get("rank_dp") is not None:
-        parts.append(f"rank {rec['rank_dp']}")
+        ranks = "/".join("dense" if r is None else str(r) for r in rec["rank_dp"])
+        parts.append(f"ranks {ranks}")
+    if rec.get("entropy") is not None:
+        parts.append("H " + "/".join(f"{h:.3f}" for h in rec["entropy"]))
     if "dp_bytes_sent_job" in rec:
         saved = 1.0 - rec["dp_bytes_sent_job"] / max(1, rec["dp_bytes_dense_job"])
         parts.append(f"dp {rec['dp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")

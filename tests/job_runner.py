@@ -59,7 +59,12 @@ def main() -> int:
                         "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
                                          for g in c.bucket_groups),
                         "compression": trainer.dp_compression.state_dict()
-                        if trainer.dp_compression is not None else None},
+                        if trainer.dp_compression is not None else None,
+                        "controller": trainer.edgc.controller.state_dict()
+                        if trainer.edgc is not None else None,
+                        "grad_buffers": [b.grad_data.detach().clone()
+                                         for c in trainer.bundle.chunks
+                                         for g in c.bucket_groups for b in g.buckets]},
                        os.path.join(out_dir, f"rank{rank}.pt"))
             return 0
         finally:

@@ -25,7 +25,10 @@ def pretrain(argv, timeout=300):
      "--use-distributed-optimizer", "--overlap-grad-reduce"],
     ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
      "--edgc-mode", "static", "--edgc-rank", "4"],
-], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4"])
+    ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+     "--edgc-mode", "edgc", "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0",
+     "--edgc-rank-max", "8", "--edgc-warmup-max-iters", "4"],
+], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4", "edgc-controller"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")
@@ -48,5 +51,8 @@ def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_p
         assert res_recs[it]["loss"] == full_recs[it]["loss"], it  # bit-exact
         assert res_recs[it]["lr"] == full_recs[it]["lr"]
     assert res_recs[10]["val_loss"] == full_recs[10]["val_loss"]
+    for it in range(6, 11):  # the controller's decisions resume too
+        assert res_recs[it].get("rank_dp") == full_recs[it].get("rank_dp")
+        assert res_recs[it].get("entropy") == full_recs[it].get("entropy")
     assert open(tmp_path / "ck" / "latest_checkpointed_iteration.txt").read() == "10"
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "ck"))

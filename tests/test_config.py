@@ -69,7 +69,18 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-rank", "-3"], "--edgc-rank", "must be in [1, inf]", None),
     (["--edgc-min-compression-rate", "0.5"], "--edgc-min-compression-rate", "[1.0, inf]", None),
     (["--edgc-start-iter", "-1"], "--edgc-start-iter", "[0, inf]", None),
-    (["--edgc-mode", "edgc"], "--edgc-mode", "not available in this version", None),
+    (["--edgc-rank-min", "40", "--edgc-rank-max", "32"], "--edgc-rank-min",
+     "must be <= --edgc-rank-max (32)", None),
+    (["--edgc-rank-max", "0"], "--edgc-rank-max", "[1, inf]", None),
+    (["--edgc-window", "0"], "--edgc-window", "[1, inf]", None),
+    (["--edgc-iter-sample-rate", "0"], "--edgc-iter-sample-rate", "(0.0, 1.0]", None),
+    (["--edgc-iter-sample-rate", "1.5"], "--edgc-iter-sample-rate", "1.0", None),
+    (["--edgc-grad-sample-rate", "-0.1"], "--edgc-grad-sample-rate", "(0.0, 1.0]", None),
+    (["--edgc-grad-sample-rate", "2"], "--edgc-grad-sample-rate", "1.0", None),
+    (["--edgc-rank-step", "0"], "--edgc-rank-step", "[1, inf]", None),
+    (["--edgc-warmup-eps", "0"], "--edgc-warmup-eps", "(0.0, inf]", None),
+    (["--edgc-warmup-windows", "0"], "--edgc-warmup-windows", "[1, inf]", None),
+    (["--edgc-entropy", "kde"], "--edgc-entropy", "must be one of gaussian, histogram", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)

@@ -74,12 +74,13 @@ def _bucket_grad_bytes(bucket) -> int:
 class DPGradientCompression:
     """Owns one :class:`BucketCompressor` per DDP bucket and patches the bucket groups.
 
-    ``rank_for_bucket`` is consulted every iteration (a static rank, or the controller's
-    table entry for this pipeline stage); ``iteration`` is set by the training loop and
-    compression runs from ``start_iter`` on.
+    ``rank`` is a static rank or the controller's entry for this pipeline stage, ``None``
+    meaning dense (EDGC's warm-up); ``iteration`` is set by the training loop and
+    compression runs from ``start_iter`` on. ``entropy_probe``, when set, is shown every
+    bucket's local gradient before the sync (the entropy sampler reads it there).
     """
 
-    def __init__(self, chunks, dp_group, *, rank: int, min_compression_rate: float,
+    def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int):
         from megatron.core import package_info
 
@@ -92,6 +93,7 @@ class DPGradientCompression:
         self.start_iter = start_iter
         self.iteration = 0
         self.stats = DPSyncStats()
+        self.entropy_probe: Optional[Callable[[str, torch.Tensor], None]] = None
         self.compressors: dict[str, BucketCompressor] = {}
         self._bucket_key: dict[int, str] = {}
         self.bucket_groups = []
@@ -102,7 +104,7 @@ class DPGradientCompression:
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
                     entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
-                        entries, rank, min_compression_rate=min_compression_rate,
+                        entries, rank or 1, min_compression_rate=min_compression_rate,
                         seed=seed, device=bucket.grad_data.device)
                     self._bucket_key[id(bucket)] = key
                 self._patch(group)
@@ -112,16 +114,24 @@ class DPGradientCompression:
 
     @property
     def active(self) -> bool:
-        return self.iteration >= self.start_iter
+        return self.rank is not None and self.iteration >= self.start_iter
 
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.stats.reset()
 
-    def set_rank(self, rank: int) -> None:
+    def set_rank(self, rank: Optional[int]) -> None:
+        """A new rank for every bucket (None: dense; the compressor state is kept)."""
         self.rank = rank
-        for comp in self.compressors.values():
-            comp.set_rank(rank)
+        if rank is not None:
+            for comp in self.compressors.values():
+                comp.set_rank(rank)
+
+    def bucket_grads(self):
+        """(key, grad_data) of every bucket, in a fixed order."""
+        for group in self.bucket_groups:
+            for bucket in group.buckets:
+                yield self._bucket_key[id(bucket)], bucket.grad_data
 
     def dense_bytes_per_iteration(self) -> int:
         return sum(_bucket_grad_bytes(b) for g in self.bucket_groups for b in g.buckets)
@@ -155,6 +165,9 @@ class DPGradientCompression:
         def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
             if self.is_first_batch and self.grad_reduce_handle is not None:
                 return  # already dispatched in the first batch (mirrors megatron-core)
+            if owner.entropy_probe is not None:
+                for bucket in self.buckets:
+                    owner.entropy_probe(owner._bucket_key[id(bucket)], bucket.grad_data)
             if not owner.active:
                 dense = sum(_bucket_grad_bytes(b) for b in self.buckets)
                 owner.stats.bytes_sent += dense

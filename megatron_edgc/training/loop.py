@@ -28,6 +28,7 @@ from megatron_edgc.patches.ddp import DPGradientCompression
 from megatron_edgc.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
+from megatron_edgc.training.edgc import EdgcDriver
 from megatron_edgc.training.model import build_model_and_optimizer
 from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -64,7 +65,7 @@ class Trainer:
                                             p.tensor_model_parallel_size)
         self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
         self._wire_model_config()
-        self.dp_compression = None
+        self.dp_compression = self.edgc = None
         if cfg.edgc.mode != "off":
             self.dp_compression = DPGradientCompression(
                 self.bundle.chunks, self.dp_group, rank=cfg.edgc.rank,
@@ -72,6 +73,12 @@ class Trainer:
                 start_iter=cfg.edgc.start_iter, seed=cfg.training.seed)
             ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
                                      self.dp_compression.load_state_dict)
+        if cfg.edgc.mode == "edgc":
+            self.edgc = EdgcDriver(cfg, self.bundle.chunks, self.dp_compression,
+                                   stage=parallel_state.get_pipeline_model_parallel_rank(),
+                                   num_stages=p.pipeline_model_parallel_size,
+                                   device=self.device)
+            ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict)
         self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
                                    for c in self.bundle.chunks for g in c.bucket_groups
                                    for b in g.buckets)
@@ -159,6 +166,8 @@ class Trainer:
         self.bundle.optimizer.zero_grad()
         if self.dp_compression is not None:
             self.dp_compression.set_iteration(self.iteration)
+        if self.edgc is not None:
+            self.edgc.before_step(self.iteration)
         losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
@@ -167,7 +176,17 @@ class Trainer:
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "skipped": not update_ok}
         out.update(self._dp_sync_record())
+        if self.edgc is not None:
+            out.update(self.edgc.after_step(self.iteration))  # decides the next rank
         return out
+
+    def _rank_per_stage(self, stats):
+        """The DP-sync rank in force this iteration, one entry per pipeline stage."""
+        if self.edgc is not None:
+            return list(self.edgc.controller.table)
+        if stats is None or not stats.compressed:
+            return None
+        return [self.dp_compression.rank] * self.cfg.parallel.pipeline_model_parallel_size
 
     def _dp_sync_record(self) -> dict:
         """DP-sync telemetry: this rank's bytes and times, and the whole job's bytes."""
@@ -180,8 +199,7 @@ class Trainer:
                "dp_bytes_ratio": sent / dense if dense else 1.0,
                "dp_bytes_sent_job": int(totals[0].item()),
                "dp_bytes_dense_job": int(totals[1].item()),
-               "rank_dp": self.dp_compression.rank
-               if st is not None and st.compressed else None}
+               "rank_dp": self._rank_per_stage(st)}
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
                        dp_nonfinite_buckets=st.nonfinite_buckets)
