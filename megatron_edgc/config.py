@@ -401,6 +401,9 @@ class EdgcConfig:
                   choices=("marchenko-pastur", "calibrated"))
     check_table: bool = knob(False, "debug: compare a hash of the rank table over all ranks "
                                     "at every window end and fail loudly on a mismatch")
+    entropy_reference: bool = knob(False, "benchmark: also estimate the entropy of the full "
+                                          "gradient every iteration (JSONL entropy_full, "
+                                          "entropy_full_ms); changes no decision")
 
     def resolve(self) -> None:
         if self.rank_min is None:

@@ -15,8 +15,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> extra flags; EDGC (the entropy-driven rank) joins with the rank controller.
-RUNS = {"dense": [], "static-r8": ["--edgc-mode", "static", "--edgc-rank", "8"]}
+# name -> extra flags (the EDGC settings are the edgc: section of the config).
+RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc"]}
 
 
 def main() -> int:
@@ -44,7 +44,21 @@ def main() -> int:
         mib = "—" if s.get("dp_bytes_per_iter") is None else f"{s['dp_bytes_per_iter'] / 2**20:.2f}"
         print(f"{name:<10} {s['first_loss']:>10.4f} {s['final_loss']:>10.4f} {s['val_loss']:>9.4f} "
               f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11}")
-    print(f"\nmetrics, summaries and TensorBoard events: {args.out}")
+    edgc_metrics = os.path.join(args.out, "edgc.jsonl")
+    if os.path.exists(edgc_metrics):
+        print("\nEDGC rank schedule (iteration: rank per pipeline stage, from the next iteration on):")
+        last = None
+        for rec in map(json.loads, open(edgc_metrics)):
+            table = rec.get("rank_dp")
+            if table != last:
+                print(f"  {rec['iteration']:>5}: {' / '.join('dense' if r is None else str(r) for r in table)}")
+                last = table
+    plots = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_run.py"),
+                            *[os.path.join(args.out, f"{n}.jsonl") for n in RUNS],
+                            "--out", os.path.join(args.out, "plots")],
+                           capture_output=True, text=True)
+    print(f"\nplots: {plots.stdout.split() if plots.returncode == 0 else plots.stderr}")
+    print(f"metrics, summaries and TensorBoard events: {args.out}")
     return 0
 
 

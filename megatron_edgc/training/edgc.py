@@ -61,6 +61,19 @@ class EdgcDriver:
             warmup_windows=e.warmup_windows, warmup_max_iters=e.warmup_max_iters)
         self.controller = RankController(self.settings,
                                          [RankModel(n, m) for n, m in self.stage_shapes])
+        # For --edgc-g calibrated: this rank's gradient of one dominant-shape matrix.
+        self._calib_param = next(
+            (p for c in chunks for p in c.module.parameters()
+             if matrix_shape(p.shape) == self.stage_shapes[stage]), None)
+        self._calib_bucket = None
+        if e.g == "calibrated" and self._calib_param is not None:
+            ptr = self._calib_param.main_grad.data_ptr()
+            self._calib_bucket = next(
+                key for key, grad in dp_compression.bucket_grads()
+                if grad.data_ptr() <= ptr < grad.data_ptr() + grad.numel() * grad.element_size())
+        self._calib_grad: Optional[torch.Tensor] = None
+        self.calibrated_g: Optional[list] = None
+        self._full_entropies: list = []
         self._samples: list = []
         self._measuring = False
         self._window = 0
@@ -76,33 +89,86 @@ class EdgcDriver:
             t0 = time.perf_counter()
             self._samples.append(self.samplers[key].sample(grad.view(-1), self._window).float())
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
+            if key == self._calib_bucket and self.controller.in_warmup:
+                self._calib_grad = self._calib_param.main_grad.detach().float().view(
+                    self.stage_shapes[self.stage]).clone()
+        if self.cfg.edgc.entropy_reference:
+            t0 = time.perf_counter()
+            self._full_entropies.append(grad.detach().view(-1).float().clone())  # pre-sync
+            self.full_entropy_ms += (time.perf_counter() - t0) * 1e3
 
     def before_step(self, iteration: int) -> None:
         self._measuring = self.controller.should_measure(iteration)
         self._window = self.controller.window_of(iteration)
         self._samples = []
+        self._full_entropies = []
         self.entropy_ms = 0.0
+        self.full_entropy_ms = 0.0
         self.last_entropies = None
+
+    def _stage_mean(self, local: float) -> list:
+        """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks)."""
+        sums = torch.zeros(2, self.num_stages, dtype=torch.float64, device=self.device)
+        if local == local and abs(local) != float("inf"):
+            sums[0, self.stage], sums[1, self.stage] = local, 1.0
+        dist.all_reduce(sums)
+        return [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
+                for s in range(self.num_stages)]
+
+    def _calibrate(self) -> None:
+        """``--edgc-g calibrated``: g from the real gradients at warm-up end (EDGC §4).
+
+        The best rank-r relative residual (singular values) of this rank's gradient of a
+        dominant-shape matrix, for every r, averaged over the stage's ranks, becomes the
+        stage's g (made monotone by :class:`RankModel`).
+        """
+        k_max = max(min(n, m) for n, m in self.stage_shapes)
+        curves = torch.zeros(2, self.num_stages, k_max + 1, dtype=torch.float64,
+                             device=self.device)
+        if self._calib_grad is not None:
+            s2 = torch.linalg.svdvals(self._calib_grad.double()) ** 2
+            tail = torch.cat([s2.flip(0).cumsum(0).flip(0), s2.new_zeros(1)])
+            if tail[0] > 0:
+                curves[0, self.stage, :tail.numel()] = (tail / tail[0]).sqrt()
+                curves[1, self.stage] = 1.0
+        dist.all_reduce(curves)
+        models, self.calibrated_g = [], []
+        for s, (n, m) in enumerate(self.stage_shapes):
+            k = min(n, m)
+            if curves[1, s, 0] > 0:
+                curve = (curves[0, s, :k + 1] / curves[1, s, 0]).tolist()
+                models.append(RankModel(n, m, residuals=curve))
+            else:
+                curve = None
+                models.append(self.controller.rank_models[s])
+            self.calibrated_g.append(curve)
+        self.controller.rank_models = models
 
     def after_step(self, iteration: int) -> dict:
         record = {}
+        if self.cfg.edgc.entropy_reference and self._full_entropies:
+            t0 = time.perf_counter()
+            full = estimate_entropy(torch.cat(self._full_entropies), self.cfg.edgc.entropy)
+            self.full_entropy_ms += (time.perf_counter() - t0) * 1e3
+            record["entropy_full"] = self._stage_mean(full)
+            record["entropy_full_ms"] = self.full_entropy_ms
         if self._measuring:
             t0 = time.perf_counter()
             local = estimate_entropy(torch.cat(self._samples), self.cfg.edgc.entropy) \
                 if self._samples else float("nan")
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
-            sums = torch.zeros(2, self.num_stages, dtype=torch.float64, device=self.device)
-            if local == local and abs(local) != float("inf"):
-                sums[0, self.stage], sums[1, self.stage] = local, 1.0
-            dist.all_reduce(sums)
-            entropies = [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
-                         for s in range(self.num_stages)]
+            entropies = self._stage_mean(local)
             self.controller.observe(iteration, entropies)
             self.last_entropies = entropies
             record["entropy"] = entropies
             record["entropy_ms"] = self.entropy_ms
         window_end = (iteration + 1) % self.settings.window == 0
-        if self.controller.end_iteration(iteration) or window_end:
+        was_warmup = self.controller.in_warmup
+        changed = self.controller.end_iteration(iteration)
+        if was_warmup and not self.controller.in_warmup and self.cfg.edgc.g == "calibrated":
+            self._calibrate()
+            record["g_calibrated"] = self.calibrated_g
+        if changed or window_end:
             if self.cfg.edgc.check_table:
                 self.check_table()
             self.dp_compression.set_rank(self.controller.table[self.stage])
@@ -126,8 +192,15 @@ class EdgcDriver:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict(), "stage_shapes": self.stage_shapes}
+        return {"controller": self.controller.state_dict(), "stage_shapes": self.stage_shapes,
+                "calibrated_g": self.calibrated_g}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
+        if state.get("calibrated_g"):
+            self.calibrated_g = state["calibrated_g"]
+            self.controller.rank_models = [
+                RankModel(n, m, residuals=c) if c is not None else model
+                for (n, m), c, model in zip(self.stage_shapes, self.calibrated_g,
+                                            self.controller.rank_models)]
         self.dp_compression.set_rank(self.controller.table[self.stage])
