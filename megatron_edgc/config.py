@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy
 import yaml
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -225,7 +226,7 @@ class DataConfig:
         if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0 or weights[1] <= 0:
             raise ConfigError("--split", f"must be three comma-separated non-negative weights "
                                          f"train,valid,test with train and valid > 0 (got {self.split!r})")
-        n_docs = _check_indexed_dataset(self.data_path)
+        n_docs, token_dtype = _check_indexed_dataset(self.data_path)
         split_docs = _split_document_counts(weights, n_docs)
         if split_docs[0] < 1 or split_docs[1] < 1:
             raise ConfigError("--split", f"{self.split!r} over {n_docs} documents leaves "
@@ -245,7 +246,7 @@ class DataConfig:
             tokenizer = build_tokenizer(self.tokenizer_type, self.vocab_file)
         except (ValueError, OSError) as exc:
             raise ConfigError("--vocab-file", f"{exc}") from None
-        if _index_dtype_max(self.data_path) + 1 < tokenizer.vocab_size:
+        if int(numpy.iinfo(token_dtype).max) + 1 < tokenizer.vocab_size:
             raise ConfigError("--vocab-file", f"the tokenizer has {tokenizer.vocab_size} ids, "
                                               f"more than {self.data_path}.bin can store: the "
                                               f"data was made with another tokenizer")
@@ -258,20 +259,6 @@ _DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "f
                 7: "float32", 8: "uint16"}
 
 
-def _read_index_header(idx: str):
-    import numpy
-
-    with open(idx, "rb") as fh:
-        fh.read(17)
-        return numpy.dtype(_DTYPE_CODES[int(numpy.frombuffer(fh.read(1), numpy.uint8)[0])])
-
-
-def _index_dtype_max(prefix: str) -> int:
-    import numpy
-
-    return int(numpy.iinfo(_read_index_header(prefix + ".idx")).max)
-
-
 def _split_document_counts(weights: list, n_docs: int) -> list:
     """Documents per split, rounded as megatron-core's dataset builder rounds them."""
     total = sum(weights)
@@ -279,13 +266,11 @@ def _split_document_counts(weights: list, n_docs: int) -> list:
     return [int(round(b * n_docs)) - int(round(a * n_docs)) for a, b in zip(cum, cum[1:])]
 
 
-def _check_indexed_dataset(prefix: str) -> int:
+def _check_indexed_dataset(prefix: str):
     """Header checks of a Megatron .idx/.bin pair, cheap enough for start-up.
 
-    Returns the number of documents.
+    Returns the number of documents and the token dtype.
     """
-    import numpy
-
     # megatron.core.datasets.indexed_dataset's format: magic, version, dtype code, counts.
     codes = {k: numpy.dtype(v) for k, v in _DTYPE_CODES.items()}
     idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -308,7 +293,7 @@ def _check_indexed_dataset(prefix: str) -> int:
     if actual != expected:
         raise ConfigError("--data-path", f"{bin_} has {actual} bytes, its index says {expected} "
                                          f"(truncated or from another dataset)")
-    return n_doc - 1
+    return n_doc - 1, dtype
 
 
 @dataclass
