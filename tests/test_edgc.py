@@ -52,3 +52,24 @@ def test_sampled_entropy_tracks_the_full_estimate_on_real_gradients(small_model_
                                                            seed=i).sample(grad, w)) - full)
                       for w in range(20)]
             assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.1, errors
+
+
+def test_calibrated_g_from_real_gradients(small_model_argv, tmp_path):
+    """--edgc-g calibrated: at warm-up end g becomes the real gradients' residual curve,
+    the same on every rank; correlated gradients compress better than Gaussian theory."""
+    from megatron_edgc.rank_model import RankModel
+
+    metrics = str(tmp_path / "m.jsonl")
+    run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + EDGC + [
+        "--edgc-g", "calibrated", "--train-iters", "12", "--metrics-file", metrics],
+        str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    (rec,) = [r for r in records if "g_calibrated" in r]
+    assert rec["iteration"] == 8
+    for curve in rec["g_calibrated"]:
+        assert abs(curve[0] - 1.0) < 1e-9 and curve[-1] == 0.0
+        assert all(a >= b - 1e-12 for a, b in zip(curve, curve[1:]))
+        k = len(curve) - 1
+        gaussian = RankModel(2048, 64) if k == 64 else None
+        if gaussian is not None:
+            assert curve[8] < gaussian.g(8)
