@@ -46,7 +46,7 @@ def main() -> int:
               f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11}")
     edgc_metrics = os.path.join(args.out, "edgc.jsonl")
     if os.path.exists(edgc_metrics):
-        print("\nEDGC rank schedule (iteration: rank per pipeline stage, from the next iteration on):")
+        print("\nEDGC rank schedule (first iteration in force: rank per pipeline stage):")
         last = None
         for rec in map(json.loads, open(edgc_metrics)):
             table = rec.get("rank_dp")
