@@ -109,7 +109,3 @@ class GradientSampler:
         if idx.device != flat_grad.device:
             idx = self._indices = idx.to(flat_grad.device)
         return flat_grad.index_select(0, idx)
-
-    def entropy(self, flat_grad: torch.Tensor, window: int) -> float:
-        """This rank's estimate on the window's sample (the caller averages over DP)."""
-        return estimate_entropy(self.sample(flat_grad, window), self.estimator)

@@ -1,6 +1,5 @@
 """EDGC end to end on 4 gloo processes: per-stage entropy, warm-up, rank table everywhere."""
 
-import torch
 
 from distributed import LAYOUTS, read_jsonl, run_job
 from megatron_edgc.entropy import GradientSampler, gaussian_entropy

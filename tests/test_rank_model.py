@@ -1,6 +1,5 @@
 """CQM: g(r) from the Marchenko–Pastur law, its inverse, the update rule and its clamps."""
 
-import math
 
 import pytest
 import torch

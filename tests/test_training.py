@@ -1,6 +1,5 @@
 """4-process gloo training on real megatron-core: loss falls, DP replicas stay identical."""
 
-import os
 
 import pytest
 

@@ -95,7 +95,6 @@ class _Step:
     m: dict = field(default_factory=dict)      # group key -> M [k, n, m]
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
-    nonfinite: bool = False
 
 
 class BucketCompressor:
@@ -236,7 +235,6 @@ class BucketCompressor:
         raw bucket densely and the residuals stay as they were.
         """
         if reduced[-1].item() > 0:
-            step.nonfinite = True
             return None
         offset = 0
         qs = []
