@@ -390,12 +390,40 @@ class EdgcConfig:
                                           "gradient every iteration (JSONL entropy_full, "
                                           "entropy_full_ms); changes no decision")
 
+    # Pipeline-parallel backward sends (EDGC §7) and per-stage alignment (§6).
+    pp_compression: str = knob("off", "pipeline backward sends: off: dense; static: "
+                                      "rank --edgc-pp-rank; edgc: rank chosen by its own "
+                                      "entropy controller (needs --edgc-mode edgc)",
+                               choices=("off", "static", "edgc"))
+    pp_rank: int = knob(8, "rank of compressed backward sends (static PP compression)", min=1)
+    pp_rank_max: int = knob(64, "PP r_max: the PP rank when its warm-up ends, and the upper "
+                                "clamp (edgc PP compression)", min=1)
+    pp_rank_min: Optional[int] = knob(None, "PP r_min: the lower clamp (default "
+                                            "--edgc-pp-rank-max / 4)", min=1)
+    pp_epilogue_only: bool = knob(False, "compress only the backward sends of the 1F1B "
+                                         "cool-down, where they are on the critical path")
+    dac: str = knob("on", "DAC: later pipeline stages spend their slack on a higher DP rank "
+                          "so that all stages finish their DP sync together (edgc mode, "
+                          "PP > 1)", choices=("on", "off"))
+
     def resolve(self) -> None:
         if self.rank_min is None:
             self.rank_min = max(1, self.rank_max // 4)
         if self.rank_min > self.rank_max:
             raise ConfigError("--edgc-rank-min", f"must be <= --edgc-rank-max ({self.rank_max}),"
                                                  f" got {self.rank_min}")
+        if self.pp_rank_min is None:
+            self.pp_rank_min = max(1, self.pp_rank_max // 4)
+        if self.pp_rank_min > self.pp_rank_max:
+            raise ConfigError("--edgc-pp-rank-min", f"must be <= --edgc-pp-rank-max "
+                                                    f"({self.pp_rank_max}), got {self.pp_rank_min}")
+        if self.pp_compression == "edgc" and self.mode != "edgc":
+            raise ConfigError("--edgc-pp-compression", "edgc needs --edgc-mode edgc (the "
+                                                       "window machinery); use static otherwise")
+
+    @property
+    def dac_active(self) -> bool:
+        return self.mode == "edgc" and self.dac == "on"
 
 
 @dataclass
@@ -471,6 +499,9 @@ class RunConfig:
             raise ConfigError("--global-batch-size",
                               f"interleaved 1F1B needs the micro-batch count "
                               f"({self.num_microbatches}) to be a multiple of PP ({pp})")
+        if self.edgc.pp_compression != "off" and pp < 2:
+            raise ConfigError("--edgc-pp-compression", f"compresses pipeline sends: needs "
+                                                       f"--pipeline-model-parallel-size >= 2, got {pp}")
         if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
             raise ConfigError("--bucket-size", "must be >= 1")
         return self

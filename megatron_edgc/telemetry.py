@@ -82,6 +82,13 @@ def format_progress(it: int, total: int, rec: dict) -> str:
     if "dp_bytes_sent_job" in rec:
         saved = 1.0 - rec["dp_bytes_sent_job"] / max(1, rec["dp_bytes_dense_job"])
         parts.append(f"dp {rec['dp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")
+    if "pp_bytes_sent_job" in rec:
+        saved = 1.0 - rec["pp_bytes_sent_job"] / max(1, rec["pp_bytes_dense_job"])
+        rank = rec.get("rank_pp")
+        parts.append(f"pp {'dense' if rank is None else 'r' + str(rank)} "
+                     f"{rec['pp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")
+    if rec.get("dp_sync_end_spread_ms") is not None:
+        parts.append(f"sync spread {rec['dp_sync_end_spread_ms']:.1f} ms")
     if rec.get("skipped"):
         parts.append("skipped")
     return " | ".join(parts)

@@ -51,6 +51,11 @@ class ActivationGradSender:
         r = min(self.rank, *mat.shape)
         if self.q is None or self.q.shape != (m_dim, r):
             self.q = seeded_gaussian(self.seed, self.name, "init", m_dim, r).to(mat.device)
+        if not bool(torch.isfinite(mat).all()):
+            # Pass the non-finite value on (the receiver's gradient becomes non-finite,
+            # as it would dense) but keep the residual and Q of the last good step.
+            nan = float("nan")
+            return mat.new_full((mat.shape[0], r), nan), mat.new_full((m_dim, r), nan)
         p_hat = orthonormalize(mat @ self.q)
         q = mat.T @ p_hat
         self.residual = mat - p_hat @ q.T

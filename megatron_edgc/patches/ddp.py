@@ -77,7 +77,9 @@ class DPGradientCompression:
     ``rank`` is a static rank or the controller's entry for this pipeline stage, ``None``
     meaning dense (EDGC's warm-up); ``iteration`` is set by the training loop and
     compression runs from ``start_iter`` on. ``entropy_probe``, when set, is shown every
-    bucket's local gradient before the sync (the entropy sampler reads it there).
+    bucket's local gradient before the sync (the entropy sampler reads it there);
+    ``sync_end_hook``, when set, is called as each bucket group's sync completes (DAC's
+    timer keeps the last call).
     """
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
@@ -94,6 +96,7 @@ class DPGradientCompression:
         self.iteration = 0
         self.stats = DPSyncStats()
         self.entropy_probe: Optional[Callable[[str, torch.Tensor], None]] = None
+        self.sync_end_hook: Optional[Callable[[], None]] = None  # after each group's sync
         self.compressors: dict[str, BucketCompressor] = {}
         self._bucket_key: dict[int, str] = {}
         self.bucket_groups = []
@@ -179,13 +182,16 @@ class DPGradientCompression:
 
         def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
             if not owner.active:
-                return original_finish(force_all_reduce=force_all_reduce)
-            self.param_gather_dispatched = False
-            if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
-                start_grad_sync(self, force_all_reduce)
-            assert self.grad_reduce_handle is not None, "grad sync was not started"
-            self.grad_reduce_handle.wait()
-            self.grad_reduce_handle = None
+                original_finish(force_all_reduce=force_all_reduce)
+            else:
+                self.param_gather_dispatched = False
+                if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+                    start_grad_sync(self, force_all_reduce)
+                assert self.grad_reduce_handle is not None, "grad sync was not started"
+                self.grad_reduce_handle.wait()
+                self.grad_reduce_handle = None
+            if owner.sync_end_hook is not None:
+                owner.sync_end_hook()
 
         group.start_grad_sync = types.MethodType(start_grad_sync, group)
         group.finish_grad_sync = types.MethodType(finish_grad_sync, group)

@@ -1,4 +1,5 @@
-"""EDGC in the training loop: sampled entropy → controller → rank of this stage's DP sync.
+"""EDGC in the training loop: sampled entropy → controllers → DP ranks per stage (with
+DAC) and the pipeline rank.
 
 Every iteration the loop calls :meth:`EdgcDriver.before_step` and
 :meth:`EdgcDriver.after_step`. On the iterations GDS measures, each rank samples a
@@ -8,10 +9,25 @@ estimates per pipeline stage (over its DP and TP ranks). Every rank therefore fe
 same per-stage entropies to its own :class:`RankController` and holds the same rank table
 (``--edgc-check-table`` verifies that with a hash at each window end). The entry of this
 rank's stage is handed to the DP compression; ``None`` (warm-up) means dense.
+
+With ``--edgc-pp-compression edgc`` a second controller (one entry, its own bounds) is fed
+the entropy of the outgoing backward activation gradients (sampled on the same
+iterations, averaged over every sending rank) and sets the pipeline rank (EDGC §7).
+
+With DAC (EDGC §6, PP > 1) the DP rank of each stage is the CQM rank raised by the
+stage's slack: the window after warm-up probes two ranks (first half ``r_max``, second
+half ``r_min``) so that each stage's sync time ``T_s(r) = η_s r + c_s`` can be fitted; every
+window end refits (decayed least-squares sums over all windows so far) and recomputes
+the aligned table from the window's mean backward and send times. The timings come from
+one all-reduce per iteration (the loop's), so every rank computes the same table; it is
+still broadcast from the first rank (one small broadcast per window) and is what both
+ends of every pipeline message and every DP collective use.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Optional
 
@@ -21,7 +37,12 @@ import torch.distributed as dist
 from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
 from megatron_edgc.entropy import GradientSampler, estimate_entropy
+from megatron_edgc.patches.p2p import pipeline_group_broadcast
 from megatron_edgc.rank_model import RankModel
+from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
+
+#: Weight of older windows in the DAC least-squares sums (per window).
+DAC_DECAY = 0.5
 
 
 class RankTableMismatch(RuntimeError):
@@ -41,9 +62,9 @@ def dominant_shape(chunks) -> tuple[int, int]:
 
 class EdgcDriver:
     def __init__(self, cfg, chunks, dp_compression, *, stage: int, num_stages: int,
-                 device: torch.device):
+                 device: torch.device, p2p=None, activation_shape=None):
         e = cfg.edgc
-        self.cfg, self.dp_compression = cfg, dp_compression
+        self.cfg, self.dp_compression, self.p2p = cfg, dp_compression, p2p
         self.stage, self.num_stages, self.device = stage, num_stages, device
         self.samplers = {
             key: GradientSampler(grad.numel(), iter_sample_rate=e.iter_sample_rate,
@@ -81,6 +102,28 @@ class EdgcDriver:
         self.last_entropies: Optional[list] = None
         dp_compression.set_rank(None)  # dense until the warm-up ends
         dp_compression.entropy_probe = self._probe
+        # PP rank controller (EDGC §7): one rank for every backward send.
+        self.pp_controller = self.pp_sampler = None
+        self._pp_sample: Optional[torch.Tensor] = None
+        if p2p is not None and e.pp_compression == "edgc":
+            n, m = math.prod(activation_shape[:-1]), activation_shape[-1]
+            self.pp_controller = RankController(
+                dataclasses.replace(self.settings, rank_max=e.pp_rank_max,
+                                    rank_min=e.pp_rank_min), [RankModel(n, m)])
+            self.pp_sampler = GradientSampler(
+                n * m, iter_sample_rate=e.iter_sample_rate, grad_sample_rate=e.grad_sample_rate,
+                seed=cfg.training.seed * 7919 + 7, estimator=e.entropy)
+            p2p.entropy_probe = self._pp_probe
+            p2p.set_rank(None, 0)
+        # DAC (EDGC §6).
+        self.dac = e.dac_active and num_stages > 1
+        self.dp_table: list = [None] * num_stages   # the DP ranks in force (DAC applied)
+        self.pp_rank: Optional[int] = None
+        self.table_version = 0
+        self._fit = [[0.0] * 5 for _ in range(num_stages)]   # n, Σr, Σt, Σr², Σrt
+        self._window_times = [[0.0] * 4 for _ in range(num_stages)]  # Σt_b, n, Σt_p2p, n
+        self.time_models: Optional[list] = None
+        self.slack: Optional[list] = None
 
     # ------------------------------------------------------------------ per iteration
 
@@ -97,23 +140,50 @@ class EdgcDriver:
             self._full_entropies.append(grad.detach().view(-1).float().clone())  # pre-sync
             self.full_entropy_ms += (time.perf_counter() - t0) * 1e3
 
+    def _pp_probe(self, grad: torch.Tensor) -> None:
+        if self._measuring:
+            t0 = time.perf_counter()
+            self._pp_sample = self.pp_sampler.sample(grad.detach().reshape(-1),
+                                                     self._window).float()
+            self.entropy_ms += (time.perf_counter() - t0) * 1e3
+
     def before_step(self, iteration: int) -> None:
         self._measuring = self.controller.should_measure(iteration)
         self._window = self.controller.window_of(iteration)
         self._samples = []
+        self._pp_sample = None
         self._full_entropies = []
         self.entropy_ms = 0.0
         self.full_entropy_ms = 0.0
         self.last_entropies = None
+        # The DP rank of this iteration: the table, or DAC's two-rank probe after warm-up.
+        probe = self.probe_rank(iteration)
+        self.dp_compression.set_rank(probe if probe is not None else self.dp_table[self.stage])
 
-    def _stage_mean(self, local: float) -> list:
-        """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks)."""
-        sums = torch.zeros(2, self.num_stages, dtype=torch.float64, device=self.device)
-        if local == local and abs(local) != float("inf"):
+    def probe_rank(self, iteration: int) -> Optional[int]:
+        """DAC's probe: the window after warm-up runs r_max, then r_min (all stages)."""
+        end = self.controller.warmup_end_iter
+        if not self.dac or end is None or not end <= iteration < end + self.settings.window:
+            return None
+        first_half = iteration - end < self.settings.window // 2
+        return self.settings.rank_max if first_half else self.settings.rank_min
+
+    def applied_ranks(self, iteration: int) -> list:
+        probe = self.probe_rank(iteration)
+        return [probe] * self.num_stages if probe is not None else list(self.dp_table)
+
+    def _stage_mean(self, local: float, extra: Optional[float] = None):
+        """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks);
+        with ``extra``, also a job-wide mean of it over the ranks where it is finite."""
+        sums = torch.zeros(2, self.num_stages + 1, dtype=torch.float64, device=self.device)
+        if math.isfinite(local):
             sums[0, self.stage], sums[1, self.stage] = local, 1.0
+        if extra is not None and math.isfinite(extra):
+            sums[0, -1], sums[1, -1] = extra, 1.0
         dist.all_reduce(sums)
-        return [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
-                for s in range(self.num_stages)]
+        means = [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
+                 for s in range(self.num_stages + 1)]
+        return (means[:-1], means[-1]) if extra is not None else means[:-1]
 
     def _calibrate(self) -> None:
         """``--edgc-g calibrated``: g from the real gradients at warm-up end (EDGC §4).
@@ -144,7 +214,12 @@ class EdgcDriver:
             self.calibrated_g.append(curve)
         self.controller.rank_models = models
 
-    def after_step(self, iteration: int) -> dict:
+    def after_step(self, iteration: int, stage_times: Optional[dict] = None) -> dict:
+        """Feed this iteration's measurements; at a window end decide the next tables.
+
+        ``stage_times`` holds per-stage means over the job (identical on every rank):
+        ``t_b_ms``, ``t_p2p_ms`` and ``dp_sync_ms`` (NaN where a stage has none).
+        """
         record = {}
         if self.cfg.edgc.entropy_reference and self._full_entropies:
             t0 = time.perf_counter()
@@ -156,29 +231,106 @@ class EdgcDriver:
             t0 = time.perf_counter()
             local = estimate_entropy(torch.cat(self._samples), self.cfg.edgc.entropy) \
                 if self._samples else float("nan")
+            pp_local = None
+            if self.pp_controller is not None:
+                pp_local = estimate_entropy(self._pp_sample, self.cfg.edgc.entropy) \
+                    if self._pp_sample is not None else float("nan")
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
-            entropies = self._stage_mean(local)
+            if self.pp_controller is not None:
+                entropies, pp_entropy = self._stage_mean(local, pp_local)
+                self.pp_controller.observe(iteration, [pp_entropy])
+                record["entropy_pp"] = pp_entropy
+            else:
+                entropies = self._stage_mean(local)
             self.controller.observe(iteration, entropies)
             self.last_entropies = entropies
             record["entropy"] = entropies
             record["entropy_ms"] = self.entropy_ms
+        if self.dac and stage_times is not None:
+            self._observe_times(self.applied_ranks(iteration), stage_times)
         window_end = (iteration + 1) % self.settings.window == 0
         was_warmup = self.controller.in_warmup
-        changed = self.controller.end_iteration(iteration)
+        self.controller.end_iteration(iteration)
         if was_warmup and not self.controller.in_warmup and self.cfg.edgc.g == "calibrated":
             self._calibrate()
             record["g_calibrated"] = self.calibrated_g
-        if changed or window_end:
+        if self.pp_controller is not None:
+            self.pp_controller.end_iteration(iteration)
+        if window_end:
             if self.cfg.edgc.check_table:
                 self.check_table()
-            self.dp_compression.set_rank(self.controller.table[self.stage])
-        if window_end:
+            self._decide_tables(iteration)
             record["entropy_window_mean"] = self.controller.window_means[-1]
-        record["rank_table"] = list(self.controller.table)
+        record["rank_cqm"] = list(self.controller.table)
         record["edgc_warmup"] = self.controller.in_warmup
         if self.controller.warmup_end_iter is not None:
             record["warmup_end_iter"] = self.controller.warmup_end_iter
+        if self.pp_controller is not None:
+            record["rank_pp"] = self.pp_rank
+        if self.time_models is not None:
+            record["dac_eta_ms"] = [m.eta for m in self.time_models]
+            record["dac_c_ms"] = [m.c for m in self.time_models]
+            record["dac_slack_ms"] = self.slack
         return record
+
+    # ------------------------------------------------------------------ DAC and tables
+
+    def _observe_times(self, ranks: list, stage_times: dict) -> None:
+        for s in range(self.num_stages):
+            r, t = ranks[s], stage_times["dp_sync_ms"][s]
+            if r is not None and math.isfinite(t):
+                f = self._fit[s]
+                f[0] += 1.0
+                f[1] += r
+                f[2] += t
+                f[3] += r * r
+                f[4] += r * t
+            w = self._window_times[s]
+            for i, key in ((0, "t_b_ms"), (2, "t_p2p_ms")):
+                v = stage_times[key][s]
+                if math.isfinite(v):
+                    w[i] += v
+                    w[i + 1] += 1.0
+
+    def _fit_models(self) -> Optional[list]:
+        """``T_s(r) = η_s r + c_s`` from the decayed least-squares sums. A stage whose
+        recent ranks do not spread enough to fit a slope keeps its previous model; None
+        until every stage has had one (the probe window provides it)."""
+        models = []
+        for s, (n, sr, st, srr, srt) in enumerate(self._fit):
+            var = srr - sr * sr / n if n else 0.0
+            if n >= 2 and var > 1e-6 * n:
+                eta = (srt - sr * st / n) / var
+                models.append(LinearTimeModel(eta, (st - eta * sr) / n))
+            elif self.time_models is not None:
+                models.append(self.time_models[s])
+            else:
+                return None
+        return models
+
+    def _decide_tables(self, iteration: int) -> None:
+        """Window end: CQM table (+ DAC), PP rank; broadcast; install for the next window."""
+        table = list(self.controller.table)
+        if self.dac and table[0] is not None:
+            models = self._fit_models()
+            if models is not None:
+                means = [(w[0] / w[1] if w[1] else 0.0, w[2] / w[3] if w[3] else float("nan"))
+                         for w in self._window_times]
+                sends = [t for _, t in means[1:] if math.isfinite(t)]
+                self.slack = stage_slack([tb for tb, _ in means],
+                                         sum(sends) / len(sends) if sends else 0.0)
+                self.time_models = models
+                table = aligned_ranks(table, models, self.slack, self.settings.rank_max)
+            for f in self._fit:
+                for i in range(5):
+                    f[i] *= DAC_DECAY
+        self._window_times = [[0.0] * 4 for _ in range(self.num_stages)]
+        pp = self.pp_controller.table[0] if self.pp_controller is not None else None
+        shared = pipeline_group_broadcast(table + [pp], dist.group.WORLD, self.device)
+        self.dp_table, self.pp_rank = shared[:-1], shared[-1]
+        self.table_version += 1
+        if self.pp_controller is not None:
+            self.p2p.set_rank(self.pp_rank, self.table_version)
 
     def check_table(self) -> None:
         digest = self.controller.table_hash()
@@ -193,7 +345,14 @@ class EdgcDriver:
 
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "stage_shapes": self.stage_shapes,
-                "calibrated_g": self.calibrated_g}
+                "calibrated_g": self.calibrated_g,
+                "pp_controller": self.pp_controller.state_dict()
+                if self.pp_controller is not None else None,
+                "dp_table": self.dp_table, "pp_rank": self.pp_rank,
+                "table_version": self.table_version, "dac_fit": self._fit,
+                "dac_window_times": self._window_times,
+                "time_models": [(m.eta, m.c) for m in self.time_models]
+                if self.time_models is not None else None, "slack": self.slack}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
@@ -203,4 +362,17 @@ class EdgcDriver:
                 RankModel(n, m, residuals=c) if c is not None else model
                 for (n, m), c, model in zip(self.stage_shapes, self.calibrated_g,
                                             self.controller.rank_models)]
-        self.dp_compression.set_rank(self.controller.table[self.stage])
+        if self.pp_controller is not None and state.get("pp_controller") is not None:
+            self.pp_controller.load_state_dict(state["pp_controller"])
+        self.dp_table = list(state.get("dp_table", self.controller.table))
+        self.pp_rank = state.get("pp_rank")
+        self.table_version = state.get("table_version", 0)
+        if "dac_fit" in state:
+            self._fit = [list(f) for f in state["dac_fit"]]
+            self._window_times = [list(w) for w in state["dac_window_times"]]
+            self.time_models = [LinearTimeModel(e, c) for e, c in state["time_models"]] \
+                if state["time_models"] is not None else None
+            self.slack = state["slack"]
+        self.dp_compression.set_rank(self.dp_table[self.stage])
+        if self.pp_controller is not None:
+            self.p2p.set_rank(self.pp_rank, self.table_version)

@@ -25,6 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
 from megatron_edgc.patches.ddp import DPGradientCompression
+from megatron_edgc.patches.p2p import CompressingP2PCommunicator
+from megatron_edgc.patches.timing import StageTimer
 from megatron_edgc.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
@@ -73,11 +75,29 @@ class Trainer:
                 start_iter=cfg.edgc.start_iter, seed=cfg.training.seed)
             ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
                                      self.dp_compression.load_state_dict)
-        if cfg.edgc.mode == "edgc":
+        e, pp = cfg.edgc, p.pipeline_model_parallel_size
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        # Stage timings (DAC, and the pipeline telemetry) whenever EDGC or PP compression runs.
+        self.timer = None
+        if pp > 1 and (e.mode == "edgc" or e.pp_compression != "off"):
+            self.timer = StageTimer(self.on_gpu)
+            self.timer.install()
+            if self.dp_compression is not None:
+                self.dp_compression.sync_end_hook = self.timer.mark_sync_end
+        self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size,
+                                 cfg.model.hidden_size)
+        self.p2p = None
+        if e.pp_compression != "off":
+            self.p2p = CompressingP2PCommunicator(
+                parallel_state.get_pipeline_model_parallel_group(), self.bundle.config,
+                num_microbatches=cfg.num_microbatches, num_chunks=len(self.bundle.chunks),
+                epilogue_only=e.pp_epilogue_only, seed=cfg.training.seed, timer=self.timer)
+            ckpt.register_rank_state("pp_compression", self.p2p.state_dict,
+                                     self.p2p.load_state_dict)
+        if e.mode == "edgc":
             self.edgc = EdgcDriver(cfg, self.bundle.chunks, self.dp_compression,
-                                   stage=parallel_state.get_pipeline_model_parallel_rank(),
-                                   num_stages=p.pipeline_model_parallel_size,
-                                   device=self.device)
+                                   stage=self.stage, num_stages=pp, device=self.device,
+                                   p2p=self.p2p, activation_shape=self.activation_shape)
             ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict)
         self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
                                    for c in self.bundle.chunks for g in c.bucket_groups
@@ -144,13 +164,19 @@ class Trainer:
         n_chunks = len(self.bundle.chunks)
         iters = [iter(stream.micro_batches(index)) for _ in range(n_chunks)]
         t, m = self.cfg.training, self.cfg.model
+        extra = {}
+        if self.p2p is not None:  # megatron-core's injection point for the communicator
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            extra = dict(p2p_communicator=self.p2p,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
         return self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iters if n_chunks > 1 else iters[0],
             model=self.bundle.chunks if n_chunks > 1 else self.bundle.chunks[0],
             num_microbatches=self.cfg.num_microbatches,
             seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
-            decoder_seq_length=m.seq_length, forward_only=forward_only)
+            decoder_seq_length=m.seq_length, forward_only=forward_only, **extra)
 
     def _dp_mean_loss(self, losses: list) -> float:
         """Mean of the micro-batch losses on the last stage, averaged over DP; NaN elsewhere."""
@@ -168,6 +194,13 @@ class Trainer:
             self.dp_compression.set_iteration(self.iteration)
         if self.edgc is not None:
             self.edgc.before_step(self.iteration)
+        if self.p2p is not None:
+            self.p2p.begin_iteration()
+            if self.cfg.edgc.pp_compression == "static":
+                e = self.cfg.edgc
+                self.p2p.set_rank(e.pp_rank if self.iteration >= e.start_iter else None, 0)
+        if self.timer is not None:
+            self.timer.begin_iteration()
         losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
@@ -176,30 +209,63 @@ class Trainer:
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "skipped": not update_ok}
         out.update(self._dp_sync_record())
-        if self.edgc is not None:
-            out.update(self.edgc.after_step(self.iteration))  # decides the next rank
+        if self.edgc is not None:  # decides the next ranks
+            out.update(self.edgc.after_step(self.iteration, out.get("stage_times")))
+        out.pop("stage_times", None)
         return out
 
     def _rank_per_stage(self, stats):
         """The DP-sync rank in force this iteration, one entry per pipeline stage."""
         if self.edgc is not None:
-            return list(self.edgc.controller.table)
+            return self.edgc.applied_ranks(self.iteration)
         if stats is None or not stats.compressed:
             return None
         return [self.dp_compression.rank] * self.cfg.parallel.pipeline_model_parallel_size
 
+    #: Per-stage timing columns of the per-iteration all-reduce.
+    _TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "dp_sync_end_wall")
+
     def _dp_sync_record(self) -> dict:
-        """DP-sync telemetry: this rank's bytes and times, and the whole job's bytes."""
+        """DP-sync and pipeline telemetry: this rank's bytes and times, the whole job's
+        bytes, and per-stage mean timings — one all-reduce over the job."""
         st = self.dp_compression.stats if self.dp_compression is not None else None
         sent = st.bytes_sent if st else self._dense_dp_bytes
         dense = st.bytes_dense if st else self._dense_dp_bytes
-        totals = torch.tensor([sent, dense], dtype=torch.float64, device=self.device)
+        pps = self.p2p.stats if self.p2p is not None else None
+        n_stages = self.cfg.parallel.pipeline_model_parallel_size
+        head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0]
+        times = torch.zeros(len(self._TIMES), 2, n_stages, dtype=torch.float64)
+        timing = self.timer.finish() if self.timer is not None else None
+        if timing is not None:
+            values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.sync_end_wall)
+            for i, v in enumerate(values):
+                if math.isfinite(v):
+                    times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
+        totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1)])
+        totals = totals.to(self.device)
         dist.all_reduce(totals)
+        totals = totals.cpu()
         rec = {"dp_bytes_sent": sent, "dp_bytes_dense": dense,
                "dp_bytes_ratio": sent / dense if dense else 1.0,
                "dp_bytes_sent_job": int(totals[0].item()),
                "dp_bytes_dense_job": int(totals[1].item()),
                "rank_dp": self._rank_per_stage(st)}
+        if pps is not None:
+            rec.update(pp_bytes_sent=pps.bytes_sent, pp_bytes_dense=pps.bytes_dense,
+                       pp_bytes_sent_job=int(totals[2].item()),
+                       pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
+            for event in pps.events:
+                print(f"iteration {self.iteration + 1}: {event}", flush=True)
+        if timing is not None:
+            sums = totals[4:].view(len(self._TIMES), 2, n_stages)
+            stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
+                                 else float("nan") for s in range(n_stages)]
+                           for i, key in enumerate(self._TIMES)}
+            ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
+            rec.update({k: v for k, v in stage_times.items()})
+            if len(ends) > 1:
+                rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
+            rec["stage_times"] = stage_times
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
                        dp_nonfinite_buckets=st.nonfinite_buckets)
@@ -296,6 +362,10 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
         "tokens_per_s": float(numpy.mean([r["tokens_per_s"] for r in steady])) if steady else None,
         "dp_bytes_per_iter": float(numpy.mean([r["dp_bytes_sent_job"] for r in history]))
         if history else None,
+        "pp_bytes_per_iter": float(numpy.mean([r["pp_bytes_sent_job"] for r in history]))
+        if history and "pp_bytes_sent_job" in history[0] else None,
+        "dp_sync_end_spread_ms": float(numpy.mean([r["dp_sync_end_spread_ms"] for r in steady]))
+        if steady and "dp_sync_end_spread_ms" in steady[0] else None,
         "wall_s": wall_s,
         "layout": f"TP{cfg.parallel.tensor_model_parallel_size}·"
                   f"PP{cfg.parallel.pipeline_model_parallel_size}·"

@@ -1,0 +1,313 @@
+"""Low-rank pipeline backward sends on megatron-core's ``P2PCommunicator`` (EDGC §7).
+
+megatron-core 0.16.1's schedules take a ``p2p_communicator=`` argument and route every
+pipeline transfer through its ``_communicate``; :class:`CompressingP2PCommunicator`
+overrides that one method. Forward activations go out untouched (megatron-core's own
+code path). A backward activation gradient ``[seq, micro_batch, hidden]`` is sent, when
+compressed, as one fp32 message ``[header | P^ | Q]`` (``compression/activation.py``:
+lazy error propagation, warm-started power iteration); the receiver rebuilds ``P^ Qᵀ``
+into the tensor the schedule gets. With ``overlap_p2p_comm`` (interleaved schedule) the
+rebuild runs in the receive handle's ``wait()``, where the schedule waits anyway.
+
+Which messages are compressed, and at what rank, is a pure function that sender and
+receiver evaluate alike: messages on a directed edge are FIFO, so both count them per
+iteration (``k``), and message ``k`` is compressed when the shared rank (set on every
+rank at the same iteration from the broadcast table) is not ``None`` and — with
+``epilogue_only`` — ``k`` falls in the receiving stage's 1F1B cool-down (its last
+``num_warmup_microbatches`` backward steps, megatron-core's own count). Every compressed
+message carries ``(table version, rank, n, m, k)``; a receiver that expected anything
+else raises :class:`PipelineRankMismatch` instead of decoding garbage. (A sender whose
+message is larger than the receive buffer aborts in gloo; NCCL has no such check, which
+is why the table is broadcast rather than recomputed independently.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from megatron_edgc.compression.activation import ActivationGradSender
+
+logger = logging.getLogger(__name__)
+
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+MAGIC = 7351.0
+HEADER = 6  # magic, table version, rank, n, m, message index (fp32: exact below 2^24)
+FLOAT_BYTES = 4
+
+
+class PipelineRankMismatch(RuntimeError):
+    """Sender and receiver of a pipeline message disagree on its rank or identity."""
+
+
+@dataclass
+class PPSendStats:
+    """This rank's backward sends in one iteration."""
+
+    bytes_sent: int = 0
+    bytes_dense: int = 0
+    messages: int = 0
+    compressed_messages: int = 0
+    nonfinite_messages: int = 0
+    events: list = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_dense = self.messages = 0
+        self.compressed_messages = self.nonfinite_messages = 0
+        self.events = []
+
+
+class _DecompressOnWait:
+    """A receive handle whose ``wait()`` also rebuilds the gradient (once)."""
+
+    def __init__(self, work, finish: Callable[[], None]):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._finish()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def warmup_microbatches(pp_size: int, stage: int, num_microbatches: int, num_chunks: int,
+                        group_size: int) -> int:
+    """megatron-core's count of forward passes before a stage's first backward (= the
+    length of its cool-down): 1F1B ``p - s - 1``; interleaved ``2 (p - s - 1) + (V - 1) g``."""
+    if num_chunks == 1:
+        w = pp_size - stage - 1
+    else:
+        w = (pp_size - stage - 1) * 2 + (num_chunks - 1) * group_size
+    return min(w, num_microbatches * num_chunks)
+
+
+class CompressingP2PCommunicator(P2PCommunicator):
+    """Megatron's communicator with backward sends compressed at the shared PP rank.
+
+    ``rank`` None means dense (warm-up, or compression off until ``set_rank``).
+    ``begin_iteration`` must be called before each training schedule (it resets the
+    message counters that pair sends with receives).
+    """
+
+    def __init__(self, pp_group, config, *, num_microbatches: int, num_chunks: int = 1,
+                 epilogue_only: bool = False, seed: int = 0, timer=None):
+        from megatron.core import package_info
+
+        if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
+            logger.warning("P2P compression written for megatron-core %s, running on %s",
+                           TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
+        super().__init__(pp_group, config)
+        if config.variable_seq_lengths or config.use_ring_exchange_p2p \
+                or getattr(config, "mtp_standalone", False):
+            raise ValueError("pipeline compression needs fixed shapes and isend/irecv "
+                             "(no variable_seq_lengths, ring exchange or MTP stages)")
+        self.pp_size, self.stage = pp_group.size(), pp_group.rank()
+        self.num_microbatches, self.num_chunks = num_microbatches, num_chunks
+        self.epilogue_only, self.seed, self.timer = epilogue_only, seed, timer
+        self.rank: Optional[int] = None
+        self.table_version = 0
+        self.stats = PPSendStats()
+        self.entropy_probe: Optional[Callable[[torch.Tensor], None]] = None
+        self.senders: dict[int, ActivationGradSender] = {}
+        self.send_count = self.recv_count = 0
+        group = config.microbatch_group_size_per_vp_stage or self.pp_size
+        self._group_size = group
+        # The model chunk behind each backward message this stage sends (for the
+        # per-chunk residual): the schedule's backward order, minus chunk 0 of stage 0.
+        if num_chunks == 1:
+            self._send_chunk = None
+        else:
+            from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+            table = get_schedule_table(num_microbatches, num_chunks, group)
+            order = [num_chunks - 1 - chunk for _, chunk in table]
+            self._send_chunk = [c for c in order if not (self.stage == 0 and c == 0)]
+
+    # ------------------------------------------------------------------ control
+
+    def set_rank(self, rank: Optional[int], version: int) -> None:
+        """The PP rank from the shared table (same call, same iteration, on every rank)."""
+        self.rank, self.table_version = rank, version
+        if rank is not None:
+            for sender in self.senders.values():
+                sender.set_rank(rank)
+
+    def begin_iteration(self) -> None:
+        self.send_count = self.recv_count = 0
+        self.stats.reset()
+
+    def messages_per_iteration(self, receiver: int) -> int:
+        """Backward messages per iteration on the edge into stage ``receiver``."""
+        sender = (receiver + 1) % self.pp_size
+        if self.num_chunks == 1:
+            return self.num_microbatches if sender > 0 else 0
+        chunks = self.num_chunks - 1 if sender == 0 else self.num_chunks
+        return self.num_microbatches * chunks
+
+    def compressed(self, k: int, receiver: int) -> bool:
+        """Whether message ``k`` of this iteration into stage ``receiver`` is compressed."""
+        if self.rank is None:
+            return False
+        if not self.epilogue_only:
+            return True
+        cooldown = warmup_microbatches(self.pp_size, receiver, self.num_microbatches,
+                                       self.num_chunks, self._group_size)
+        return k >= self.messages_per_iteration(receiver) - cooldown
+
+    # ------------------------------------------------------------------ messages
+
+    def _sender(self, k: int) -> ActivationGradSender:
+        chunk = 0 if self._send_chunk is None else self._send_chunk[k % len(self._send_chunk)]
+        if chunk not in self.senders:
+            self.senders[chunk] = ActivationGradSender(
+                self.rank, seed=self.seed, name=f"pp-stage{self.stage}-chunk{chunk}")
+        return self.senders[chunk]
+
+    def _pack(self, grad: torch.Tensor, k: int) -> torch.Tensor:
+        n, m = grad.numel() // grad.shape[-1], grad.shape[-1]
+        p_hat, q = self._sender(k).compress(grad.detach())
+        r = p_hat.shape[1]
+        if not bool(torch.isfinite(p_hat).all()):
+            self.stats.nonfinite_messages += 1
+            self.stats.events.append(f"non-finite activation gradient in backward message {k} "
+                                     f"of stage {self.stage}: sent as such, residual kept")
+        header = torch.tensor([MAGIC, self.table_version, r, n, m, k], dtype=torch.float32,
+                              device=grad.device)
+        return torch.cat([header, p_hat.reshape(-1), q.reshape(-1)])
+
+    def _unpack_into(self, buf: torch.Tensor, out: torch.Tensor, k: int, r: int) -> None:
+        n, m = out.numel() // out.shape[-1], out.shape[-1]
+        got = [int(v) if math.isfinite(v) else -1 for v in buf[:HEADER].tolist()]
+        want = [int(MAGIC), self.table_version, r, n, m, k]
+        if got != want:
+            raise PipelineRankMismatch(
+                f"stage {self.stage} expected backward message {k} from stage "
+                f"{(self.stage + 1) % self.pp_size} as (version, rank, n, m) = "
+                f"{tuple(want[1:5])}, got {tuple(got[1:5])} as message {got[5]}: the "
+                f"pipeline rank tables disagree")
+        p_hat = buf[HEADER:HEADER + n * r].view(n, r)
+        q = buf[HEADER + n * r:].view(m, r)
+        with torch.no_grad():
+            out.copy_((p_hat @ q.T).view(out.shape))
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        if tensor_send_prev is None and not recv_next:  # forward traffic: megatron's path
+            return super()._communicate(
+                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+                wait_on_reqs=wait_on_reqs)
+        config, device = self.config, torch.device(
+            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        send_start = self.timer.stamp() if self.timer and tensor_send_prev is not None else None
+        send_prev = tensor_send_prev
+        if tensor_send_prev is not None:
+            k = self.send_count
+            self.send_count += 1
+            if k == 0 and self.entropy_probe is not None:
+                self.entropy_probe(tensor_send_prev)
+            self.stats.messages += 1
+            self.stats.bytes_dense += tensor_send_prev.numel() * tensor_send_prev.element_size()
+            if self.compressed(k, receiver=(self.stage - 1) % self.pp_size):
+                send_prev = self._pack(tensor_send_prev, k)
+                self.stats.compressed_messages += 1
+            self.stats.bytes_sent += send_prev.numel() * send_prev.element_size()
+
+        def full(shape):
+            return torch.empty(shape, requires_grad=True, device=device,
+                               dtype=config.pipeline_dtype)
+
+        recv_prev_buf = full(tensor_shape) if recv_prev else None
+        recv_next_out = recv_next_buf = finish = None
+        if recv_next:
+            k = self.recv_count
+            self.recv_count += 1
+            recv_next_out = recv_next_buf = full(tensor_shape)
+            if self.compressed(k, receiver=self.stage):
+                n, m = math.prod(tensor_shape[:-1]), tensor_shape[-1]
+                r = min(self.rank, n, m)
+                recv_next_buf = torch.empty(HEADER + (n + m) * r, dtype=torch.float32,
+                                            device=device)
+                buf, out = recv_next_buf, recv_next_out
+
+                def finish(buf=buf, out=out, k=k, r=r):
+                    self._unpack_into(buf, out, k, r)
+
+        p2p_func = p2p_communication._batched_p2p_ops if config.batch_p2p_comm \
+            else p2p_communication._p2p_ops
+        reqs = p2p_func(tensor_send_prev=send_prev, tensor_recv_prev=recv_prev_buf,
+                        tensor_send_next=tensor_send_next, tensor_recv_next=recv_next_buf,
+                        group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                        next_pipeline_rank=self.next_rank)
+        # A gloo work must be waited on once only (a second wait blocks for good).
+        if isinstance(reqs, dict):
+            if finish is not None and "recv_next" in reqs:
+                reqs["recv_next"] = _DecompressOnWait(reqs["recv_next"], finish)
+                finish = None
+            if wait_on_reqs:
+                pending = list(reqs.items())
+                if send_start is not None and "send_prev" in reqs:
+                    reqs["send_prev"].wait()  # the backward send's own time (DAC's t_p2p)
+                    pending = [(key, r) for key, r in pending if key != "send_prev"]
+                if send_start is not None:
+                    self.timer.record_send(send_start, self.timer.stamp())
+                for _, req in pending:
+                    req.wait()
+                reqs = None
+            elif send_start is not None:
+                self.timer.record_send(send_start, self.timer.stamp())
+        else:  # batched: megatron-core requires waiting here
+            pending = list(reqs)
+            if send_start is not None and pending:
+                pending.pop(0).wait()  # send_prev is the first op of the batch
+                self.timer.record_send(send_start, self.timer.stamp())
+            for req in pending:
+                req.wait()
+            reqs = []
+            if config.batch_p2p_sync and torch.cuda.is_available():
+                torch.cuda.synchronize()
+        if finish is not None:
+            finish()
+        return recv_prev_buf, recv_next_out, reqs
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "table_version": self.table_version,
+                "senders": {c: s.state_dict() for c, s in self.senders.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_rank(state["rank"], state["table_version"])
+        self.senders = {}
+        for chunk, sender_state in state["senders"].items():
+            sender = ActivationGradSender(sender_state["rank"], seed=self.seed,
+                                          name=f"pp-stage{self.stage}-chunk{chunk}")
+            sender.load_state_dict(sender_state)
+            self.senders[chunk] = sender
+
+
+def bytes_per_message(shape, rank: Optional[int], dense_element_size: int) -> int:
+    """What one backward message of ``shape`` puts on the wire: dense, or rank-r factors."""
+    n, m = math.prod(shape[:-1]), shape[-1]
+    if rank is None:
+        return n * m * dense_element_size
+    r = min(rank, n, m)
+    return (HEADER + (n + m) * r) * FLOAT_BYTES
+
+
+def pipeline_group_broadcast(values: list, group, device) -> list:
+    """Broadcast a list of small ints (None as -1) from the group's first rank."""
+    t = torch.tensor([-1 if v is None else int(v) for v in values], dtype=torch.int64,
+                     device=device)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    return [None if v < 0 else v for v in t.tolist()]
