@@ -249,6 +249,7 @@ class EdgcDriver:
         if self.dac and stage_times is not None:
             self._observe_times(self.applied_ranks(iteration), stage_times)
         window_end = (iteration + 1) % self.settings.window == 0
+        record["rank_cqm"] = list(self.controller.table)  # in force this iteration
         was_warmup = self.controller.in_warmup
         self.controller.end_iteration(iteration)
         if was_warmup and not self.controller.in_warmup and self.cfg.edgc.g == "calibrated":
@@ -261,12 +262,9 @@ class EdgcDriver:
                 self.check_table()
             self._decide_tables(iteration)
             record["entropy_window_mean"] = self.controller.window_means[-1]
-        record["rank_cqm"] = list(self.controller.table)
         record["edgc_warmup"] = self.controller.in_warmup
         if self.controller.warmup_end_iter is not None:
             record["warmup_end_iter"] = self.controller.warmup_end_iter
-        if self.pp_controller is not None:
-            record["rank_pp"] = self.pp_rank
         if self.time_models is not None:
             record["dac_eta_ms"] = [m.eta for m in self.time_models]
             record["dac_c_ms"] = [m.c for m in self.time_models]

@@ -63,7 +63,11 @@ def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
         batch_p2p_comm=vp is None,
         overlap_p2p_comm=vp is not None,
         batch_p2p_sync=on_gpu,
-        deallocate_pipeline_outputs=True,
+        # Freeing a sent activation's storage (``out.data = empty(1)``) is safe under
+        # NCCL's stream ordering, but gloo's async isend (the interleaved schedule's
+        # overlap_p2p_comm) may still be reading it: measured NaN losses from iteration 2
+        # with >= 4 micro-batches. Keep the storage on CPU with virtual stages.
+        deallocate_pipeline_outputs=on_gpu or vp is None,
     )
 
 
