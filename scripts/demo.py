@@ -16,7 +16,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> extra flags (the EDGC settings are the edgc: section of the config).
-RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc"]}
+# EDGC: entropy-chosen ranks on the DP sync and the pipeline backward sends, with DAC.
+RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc"]}
 
 
 def main() -> int:
@@ -39,19 +40,24 @@ def main() -> int:
             summaries[name] = json.load(fh)
     print()
     print(f"{'run':<10} {'first loss':>10} {'final loss':>10} {'val loss':>9} {'val ppl':>9} "
-          f"{'ms/iter':>8} {'DP MiB/iter':>11}")
+          f"{'ms/iter':>8} {'DP MiB/iter':>11} {'PP MiB/iter':>11}")
     for name, s in summaries.items():
         mib = "—" if s.get("dp_bytes_per_iter") is None else f"{s['dp_bytes_per_iter'] / 2**20:.2f}"
+        pp = "dense" if s.get("pp_bytes_per_iter") is None \
+            else f"{s['pp_bytes_per_iter'] / 2**20:.3f}"
         print(f"{name:<10} {s['first_loss']:>10.4f} {s['final_loss']:>10.4f} {s['val_loss']:>9.4f} "
-              f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11}")
+              f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11} {pp:>11}")
     edgc_metrics = os.path.join(args.out, "edgc.jsonl")
     if os.path.exists(edgc_metrics):
-        print("\nEDGC rank schedule (first iteration in force: rank per pipeline stage):")
+        print("\nEDGC rank schedule (first iteration in force: DP rank per pipeline stage "
+              "[CQM rank before DAC] | pipeline rank):")
         last = None
         for rec in map(json.loads, open(edgc_metrics)):
-            table = rec.get("rank_dp")
+            table = (rec.get("rank_dp"), rec.get("rank_cqm"), rec.get("rank_pp"))
             if table != last:
-                print(f"  {rec['iteration']:>5}: {' / '.join('dense' if r is None else str(r) for r in table)}")
+                dp, cqm, pp = (" / ".join("dense" if r is None else str(r) for r in t or [])
+                               for t in (table[0], table[1], [table[2]]))
+                print(f"  {rec['iteration']:>5}: {dp} [{cqm}] | pp {pp}")
                 last = table
     plots = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_run.py"),
                             *[os.path.join(args.out, f"{n}.jsonl") for n in RUNS],

@@ -62,6 +62,9 @@ def main() -> int:
                         if trainer.dp_compression is not None else None,
                         "controller": trainer.edgc.controller.state_dict()
                         if trainer.edgc is not None else None,
+                        "edgc": trainer.edgc.state_dict() if trainer.edgc is not None else None,
+                        "pp_compression": trainer.p2p.state_dict()
+                        if trainer.p2p is not None else None,
                         "grad_buffers": [b.grad_data.detach().clone()
                                          for c in trainer.bundle.chunks
                                          for g in c.bucket_groups for b in g.buckets]},

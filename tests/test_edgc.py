@@ -6,7 +6,7 @@ from megatron_edgc.entropy import GradientSampler, gaussian_entropy
 
 EDGC = ["--edgc-mode", "edgc", "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5",
         "--edgc-rank-max", "16", "--edgc-rank-min", "4", "--edgc-warmup-max-iters", "8",
-        "--edgc-check-table"]
+        "--edgc-check-table", "--edgc-dac", "off"]
 
 
 def test_stages_see_different_entropies_and_share_one_rank_table(small_model_argv, tmp_path):

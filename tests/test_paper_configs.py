@@ -21,6 +21,8 @@ def test_paper_config(name, world, billions, corpus_data):
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", name),
                         "--data-path", corpus_data["prefix"]], world_size=world)
     assert cfg.parallel.world_size == world
+    e = cfg.edgc
+    assert (e.mode, e.pp_compression, e.dac, e.window, e.rank_min) == ("edgc", "edgc", "on", 1000, 16)
     vocab = padded_vocab_size(50257, cfg.model.make_vocab_size_divisible_by,
                               cfg.parallel.tensor_model_parallel_size)
     n = count_parameters(cfg, vocab)

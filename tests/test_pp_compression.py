@@ -1,0 +1,152 @@
+"""Pipeline backward-send compression (EDGC §7) and DAC (§6) on 4 gloo processes, plus
+the message protocol in one process."""
+
+import math
+
+import pytest
+import torch
+
+from distributed import LAYOUTS, read_jsonl, run_job
+from megatron_edgc.compression.activation import ActivationGradSender
+from megatron_edgc.patches.p2p import (FLOAT_BYTES, HEADER, CompressingP2PCommunicator,
+                                       PipelineRankMismatch, warmup_microbatches)
+
+PP2_M4 = LAYOUTS["tp1-pp2-dp2"] + ["--global-batch-size", "16"]      # 4 micro-batches
+SHAPE = (64, 2, 64)                                                  # seq, micro-batch, hidden
+N, M = 128, 64
+
+
+def losses(path):
+    return [r["loss"] for r in read_jsonl(path)]
+
+
+@pytest.mark.parametrize("layout", ["1f1b", "interleaved"])
+def test_full_rank_pp_compression_equals_dense(small_model_argv, tmp_path, layout):
+    argv = small_model_argv + PP2_M4 + ["--train-iters", "10"]
+    if layout == "interleaved":
+        argv += ["--virtual-pipeline-model-parallel-size", "2"]
+    dense, full = str(tmp_path / "dense.jsonl"), str(tmp_path / "full.jsonl")
+    run_job(argv + ["--metrics-file", dense], str(tmp_path / "a"))
+    run_job(argv + ["--edgc-pp-compression", "static", "--edgc-pp-rank", "64",
+                    "--metrics-file", full], str(tmp_path / "b"))
+    a, b = losses(dense), losses(full)
+    assert len(a) == len(b) == 10
+    assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)
+    rec = read_jsonl(full)[-1]
+    # 4 micro-batches x 2 DP ranks of stage 1, each rank-64 factors + header, fp32.
+    per_msg = (HEADER + (N + M) * 64) * FLOAT_BYTES
+    chunks = 2 if layout == "interleaved" else 1
+    msgs = 4 * chunks + (4 * (chunks - 1))   # stage 1 -> 0 every chunk, 0 -> 1 wrap edge
+    assert rec["pp_bytes_sent_job"] == 2 * msgs * per_msg
+    assert rec["pp_bytes_dense_job"] == 2 * msgs * N * M * 4
+
+
+def test_static_pp_rank_trains_with_bytes_from_shapes(small_model_argv, tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(small_model_argv + PP2_M4 + [
+        "--edgc-pp-compression", "static", "--edgc-pp-rank", "4", "--train-iters", "20",
+        "--metrics-file", metrics], str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    per_msg = (HEADER + (N + M) * 4) * FLOAT_BYTES
+    for r in records:
+        assert r["rank_pp"] == 4
+        assert r["pp_bytes_sent_job"] == 2 * 4 * per_msg          # 2 DP ranks x 4 messages
+        assert r["pp_bytes_dense_job"] == 2 * 4 * N * M * 4
+        assert r["pp_bytes_sent"] == 4 * per_msg                   # the logger is stage 1
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    # Sender residual (lazy error propagation) persists on stage 1 only, one per chunk.
+    for res in results:
+        senders = res["pp_compression"]["senders"]
+        assert (list(senders) == [0]) == (res["pp"] == 1)
+        if res["pp"] == 1:
+            assert senders[0]["residual"].shape == (N, M) and senders[0]["q"].shape == (M, 4)
+
+
+def test_epilogue_only_compresses_the_cooldown(small_model_argv, tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    run_job(small_model_argv + PP2_M4 + [
+        "--edgc-pp-compression", "static", "--edgc-pp-rank", "4", "--edgc-pp-epilogue-only",
+        "--train-iters", "4", "--metrics-file", metrics], str(tmp_path / "out"))
+    # Stage 0's cool-down is its last p - 0 - 1 = 1 backward: 3 dense messages, 1 compressed.
+    per_msg = (HEADER + (N + M) * 4) * FLOAT_BYTES
+    for r in read_jsonl(metrics):
+        assert r["pp_bytes_sent"] == 3 * N * M * 4 + per_msg
+
+
+def test_message_rules_sender_and_receiver_agree():
+    # megatron-core's own warm-up counts: 1F1B p - s - 1, interleaved 2 (p - s - 1) + (V-1) g.
+    assert [warmup_microbatches(4, s, 8, 1, 4) for s in range(4)] == [3, 2, 1, 0]
+    assert [warmup_microbatches(2, s, 4, 2, 2) for s in range(2)] == [4, 2]
+    assert warmup_microbatches(4, 0, 2, 1, 4) == 2           # capped at the micro-batches
+    comm = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    comm.pp_size, comm.num_microbatches, comm.num_chunks, comm._group_size = 4, 8, 1, 4
+    comm.rank, comm.epilogue_only = 8, True
+    # The edge into stage 1 carries 8 messages; stage 1 cools down over its last 2.
+    assert [comm.compressed(k, receiver=1) for k in range(8)] == [False] * 6 + [True] * 2
+    assert comm.messages_per_iteration(receiver=3) == 0      # nothing wraps without chunks
+    comm.epilogue_only = False
+    assert all(comm.compressed(k, receiver=1) for k in range(8))
+    comm.rank = None
+    assert not any(comm.compressed(k, receiver=1) for k in range(8))
+
+
+def test_mismatched_rank_or_version_is_an_error_not_garbage():
+    comm = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    comm.pp_size, comm.stage, comm.seed, comm.num_chunks = 2, 1, 0, 1
+    comm._send_chunk, comm.senders, comm.rank, comm.table_version = None, {}, 8, 3
+    from megatron_edgc.patches.p2p import PPSendStats
+    comm.stats = PPSendStats()
+    grad = torch.randn(SHAPE)
+    payload = comm._pack(grad, k=0)
+    receiver = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    receiver.pp_size, receiver.stage, receiver.table_version = 2, 0, 3
+    out = torch.empty(SHAPE)
+    receiver._unpack_into(payload, out, k=0, r=8)                       # agrees: decodes
+    sender = ActivationGradSender(8, seed=0, name="pp-stage1-chunk0")
+    p, q = sender.compress(grad)
+    assert torch.allclose(out, (p @ q.T).view(SHAPE), atol=1e-6)
+    receiver.table_version = 4                                          # stale table
+    with pytest.raises(PipelineRankMismatch, match="version, rank"):
+        receiver._unpack_into(payload, out, k=0, r=8)
+    receiver.table_version = 3
+    with pytest.raises(PipelineRankMismatch):                           # other message
+        receiver._unpack_into(payload, out, k=1, r=8)
+
+
+@pytest.mark.parametrize("layout", ["tp1-pp2-dp2", "pp4-dp1"])
+def test_dac_and_pp_edgc_share_one_table_everywhere(small_model_argv, tmp_path, layout):
+    argv = LAYOUTS["tp1-pp2-dp2"] + ["--global-batch-size", "16"] if layout == "tp1-pp2-dp2" \
+        else ["--pipeline-model-parallel-size", "4", "--data-parallel-size", "1",
+              "--global-batch-size", "16"]
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(small_model_argv + argv + [
+        "--edgc-mode", "edgc", "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5",
+        "--edgc-rank-max", "16", "--edgc-rank-min", "4", "--edgc-warmup-max-iters", "8",
+        "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "32", "--edgc-dac", "on",
+        "--train-iters", "24", "--metrics-file", metrics], str(tmp_path / "out"))
+    p = 2 if layout == "tp1-pp2-dp2" else 4
+    records = read_jsonl(metrics)
+    # Warm-up dense to iteration 8; the probe window runs r_max then r_min on all stages.
+    assert all(r["rank_dp"] == [None] * p and r["rank_pp"] is None for r in records[:8])
+    assert [r["rank_dp"] for r in records[8:12]] == [[16] * p] * 2 + [[4] * p] * 2
+    assert all(r["rank_pp"] == 32 for r in records[8:12])
+    # From then on DAC: stage 0 keeps its CQM rank, the others never fall below theirs,
+    # never exceed r_max, and the job's later stages spend measured slack.
+    dac = records[12:]
+    for r in dac:
+        assert r["rank_dp"][0] == r["rank_cqm"][0]
+        assert all(c <= d <= 16 for c, d in zip(r["rank_cqm"], r["rank_dp"]))
+        assert len(r["dac_eta_ms"]) == len(r["dac_slack_ms"]) == p
+        assert r["dac_slack_ms"][0] == 0.0 and all(s > 0 for s in r["dac_slack_ms"][1:])
+        assert all(math.isfinite(t) for t in r["t_b_ms"])
+        assert r["pp_bytes_sent_job"] < r["pp_bytes_dense_job"]
+    assert any(d > c for r in dac for c, d in zip(r["rank_cqm"][1:], r["rank_dp"][1:]))
+    # One table on every rank of the job: DP ranks, PP rank, version, fitted models.
+    states = [res["edgc"] for res in results]
+    for key in ("dp_table", "pp_rank", "table_version", "controller", "pp_controller",
+                "time_models", "slack", "dac_fit"):
+        assert all(s[key] == states[0][key] for s in states), key
+    assert all(res["pp_compression"]["rank"] == states[0]["pp_rank"]
+               and res["pp_compression"]["table_version"] == states[0]["table_version"]
+               for res in results)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
