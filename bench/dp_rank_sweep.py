@@ -9,9 +9,7 @@ Writes runs/bench/dp_rank_sweep/ and its section of BENCHMARKS.md.
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import numpy
@@ -19,18 +17,11 @@ import numpy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.report import write_section  # noqa: E402
+from bench.report import run_pretrain, write_section  # noqa: E402
 
 
 def run(name, flags, out, iters):
-    metrics = os.path.join(out, f"{name}.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--train-iters",
-           str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file", metrics,
-           *flags]
-    print(f"=== {name}: {' '.join(flags) or 'dense'}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    records = [json.loads(l) for l in open(metrics)]
-    summary = json.load(open(os.path.splitext(metrics)[0] + ".summary.json"))
+    records, summary = run_pretrain(name, flags, out, iters)
     steady = records[3:]
     mean = lambda key: float(numpy.mean([r[key] for r in steady if r.get(key) is not None])) \
         if any(r.get(key) is not None for r in steady) else None

@@ -12,7 +12,6 @@ DP bytes and ms per iteration of each run. Writes BENCHMARKS.md and bench/result
 """
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -24,22 +23,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.report import write_section  # noqa: E402
-
-
-def run(name, flags, out, iters, reuse=False):
-    metrics = os.path.join(out, f"{name}.jsonl")
-    summary = os.path.splitext(metrics)[0] + ".summary.json"
-    if reuse and os.path.exists(summary):
-        print(f"=== {name}: reusing {metrics}", flush=True)
-        return [json.loads(line) for line in open(metrics)], json.load(open(summary))
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--train-iters",
-           str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file", metrics,
-           *flags]
-    print(f"=== {name}: {' '.join(flags) or 'dense'}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return [json.loads(line) for line in open(metrics)], \
-        json.load(open(os.path.splitext(metrics)[0] + ".summary.json"))
+from bench.report import run_pretrain, write_section  # noqa: E402
 
 
 def estimator_costs(numel, grad_sample_rate, every, repeats=15):
@@ -88,7 +72,7 @@ def main() -> int:
                         (f"static-r{r_min}", ["--edgc-mode", "static", "--edgc-rank", str(r_min)]),
                         ("edgc", ["--edgc-mode", "edgc"]),
                         ("edgc-reference", ["--edgc-mode", "edgc", "--edgc-entropy-reference"])]:
-        runs[name] = run(name, flags, out, args.train_iters, args.reuse)
+        runs[name] = run_pretrain(name, flags, out, args.train_iters, args.reuse)
 
     # Entropy: cost and fidelity (from the reference run; decisions are identical).
     recs = runs["edgc-reference"][0]

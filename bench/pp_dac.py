@@ -13,9 +13,7 @@ Writes runs/bench/pp_dac/ and its section of BENCHMARKS.md.
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import numpy
@@ -23,7 +21,7 @@ import numpy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.report import write_section  # noqa: E402
+from bench.report import run_pretrain, write_section  # noqa: E402
 
 LAYOUTS = {
     "pp2": ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2"],
@@ -33,14 +31,7 @@ EDGC = ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc"]
 
 
 def run(name, flags, out, iters):
-    metrics = os.path.join(out, f"{name}.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--train-iters",
-           str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file", metrics,
-           *flags]
-    print(f"=== {name}: {' '.join(flags)}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    records = [json.loads(line) for line in open(metrics)]
-    summary = json.load(open(os.path.splitext(metrics)[0] + ".summary.json"))
+    records, summary = run_pretrain(name, flags, out, iters)
     warm_end = next((r["warmup_end_iter"] for r in records if "warmup_end_iter" in r), None)
     window = 20
     after = [r for r in records if warm_end is not None and r["iteration"] > warm_end + window]

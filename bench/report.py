@@ -2,9 +2,12 @@
 machine and the date."""
 
 import datetime
+import json
 import os
 import platform
 import re
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
@@ -44,3 +47,22 @@ def write_section(name: str, title: str, command: str, body: str) -> None:
         text.rstrip() + "\n\n" + section + "\n"
     with open(BENCHMARKS, "w") as fh:
         fh.write(text)
+
+
+def run_pretrain(name: str, flags: list, out: str, iters: int, reuse: bool = False):
+    """One training run of the benchmark: ``runs/.../NAME.jsonl`` → (records, summary);
+    ``reuse`` takes an earlier run's files when they exist."""
+    metrics = os.path.join(out, f"{name}.jsonl")
+    summary = os.path.splitext(metrics)[0] + ".summary.json"
+    if reuse and os.path.exists(summary):
+        print(f"=== {name}: reusing {metrics}", flush=True)
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--train-iters",
+               str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file",
+               metrics, *flags]
+        print(f"=== {name}: {' '.join(flags) or 'dense'}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    with open(metrics) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    with open(summary) as fh:
+        return records, json.load(fh)
