@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Slow links for real: one network namespace per training rank, joined by a bridge,
+every link shaped with ``tc … tbf`` (FINDINGS.md "Slow links on one machine").
+
+    sudo python bench/netns.py --rate 1gbit --selftest     # measure gloo all-reduce
+
+Each rank ``i`` gets namespace ``<tag>-r<i>`` holding one end of a veth pair with address
+10.<net>.0.<i+1>/24; the other end joins the bridge ``<tag>br`` in the root namespace
+(no address there, so nothing on the host changes). Both ends are shaped to the rate, so
+every rank's egress and ingress run at the link rate. The tbf burst is 128 kB: with TSO/GSO
+on (no ethtool here to turn it off) the kernel hands tbf 64 kB super-packets, and a 32 kB
+burst cost 2.6x the line time (measured: 4-rank gloo all-reduce of 64 MB at 1 Gbit
+2.16 s vs 0.81 s with 128 kB, the latter within 1 % of the alpha-beta model; 6.4 MB at
+100 Mbit 0.79 s vs 0.82 s modelled). Ranks run inside their namespace
+with ``GLOO_SOCKET_IFNAME`` set (gloo binds to 127.0.0.1 otherwise) and the torchrun
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = rank 0's address).
+
+Everything created is recorded and removed on exit, on an exception and on SIGINT/SIGTERM;
+the tool only ever names the namespaces, links and qdiscs it made. Where namespaces can't
+be created (not root, no ``ip``), :class:`NetnsUnavailable` says why, and the benchmark
+falls back to the alpha-beta model (its figures labelled "modelled").
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces/bridges/tbf cannot be set up here; the reason is the message."""
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def rate_bits(rate: str) -> float:
+    """'100mbit' / '1gbit' / '300Mbit' → bits per second."""
+    r = rate.strip().lower()
+    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if r.endswith(suffix):
+            return float(r[:-len(suffix)]) * mult
+    raise ValueError(f"rate must look like 100mbit or 1gbit, got {rate!r}")
+
+
+class ShapedNetwork:
+    """``with ShapedNetwork(4, "1gbit") as net: net.run(argv)`` — ``rate=None``: unshaped."""
+
+    def __init__(self, n_ranks: int, rate: Optional[str]):
+        if n_ranks < 1:
+            raise ValueError("need at least one rank")
+        if rate is not None:
+            rate_bits(rate)
+        self.n, self.rate = n_ranks, rate
+        pid = os.getpid() % 100000
+        self.tag = f"e{pid}"
+        self.net = 64 + pid % 128                     # 10.<net>.0.0/24 inside the namespaces
+        self.bridge = f"{self.tag}br"
+        self.namespaces = [f"{self.tag}-r{i}" for i in range(n_ranks)]
+        self.ns_dev = [f"{self.tag}n{i}" for i in range(n_ranks)]
+        self.host_dev = [f"{self.tag}h{i}" for i in range(n_ranks)]
+        self._made_ns: list = []
+        self._made_bridge = False
+        self._old_handlers: dict = {}
+
+    def address(self, i: int) -> str:
+        return f"10.{self.net}.0.{i + 1}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "ShapedNetwork":
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("network namespaces need root (run the benchmark as root)")
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            raise NetnsUnavailable("the ip and tc commands (iproute2) are not installed")
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self._create()
+        except (subprocess.CalledProcessError, OSError) as exc:
+            self.close()
+            detail = getattr(exc, "stderr", "") or str(exc)
+            raise NetnsUnavailable(f"could not build the namespaces: {detail.strip()}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _on_signal(self, signum, frame):
+        self.close()
+        raise KeyboardInterrupt(f"signal {signum}: namespaces removed")
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._made_bridge = True
+        _ip("link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.namespaces):
+            _ip("netns", "add", ns)
+            self._made_ns.append(ns)
+            _ip("link", "add", self.host_dev[i], "type", "veth", "peer", "name", self.ns_dev[i])
+            _ip("link", "set", self.ns_dev[i], "netns", ns)
+            _ip("link", "set", self.host_dev[i], "master", self.bridge)
+            _ip("link", "set", self.host_dev[i], "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", self.ns_dev[i])
+            _ip("-n", ns, "link", "set", self.ns_dev[i], "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            if self.rate is not None:
+                tbf = ["root", "tbf", "rate", self.rate, "burst", "128kb", "latency", "1000ms"]
+                subprocess.run(["tc", "qdisc", "add", "dev", self.host_dev[i], *tbf],
+                               capture_output=True, text=True, check=True)
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev",
+                                self.ns_dev[i], *tbf], capture_output=True, text=True,
+                               check=True)
+
+    def close(self) -> None:
+        """Remove what this object made (namespaces take their veth ends and qdiscs)."""
+        for ns in reversed(self._made_ns):
+            _ip("netns", "del", ns, check=False)
+        self._made_ns = []
+        for dev in self.host_dev:  # normally gone with their peers; be sure
+            if os.path.exists(f"/sys/class/net/{dev}"):
+                _ip("link", "del", dev, check=False)
+        if self._made_bridge:
+            _ip("link", "del", self.bridge, check=False)
+            self._made_bridge = False
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, argv: Sequence[str], port: int = 29511, env: Optional[dict] = None,
+            timeout: Optional[float] = None, cwd: Optional[str] = None) -> list:
+        """Run ``argv`` once per rank inside its namespace (torchrun environment); returns
+        the return codes. If one rank fails, the others are stopped."""
+        procs = []
+        for i, ns in enumerate(self.namespaces):
+            rank_env = {**os.environ, **(env or {}), "RANK": str(i),
+                        "WORLD_SIZE": str(self.n), "LOCAL_RANK": "0",
+                        "MASTER_ADDR": self.address(0), "MASTER_PORT": str(port),
+                        "GLOO_SOCKET_IFNAME": self.ns_dev[i]}
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=rank_env,
+                                          cwd=cwd))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        codes: list = [None] * len(procs)
+        while any(c is None for c in codes):
+            for i, p in enumerate(procs):
+                if codes[i] is None:
+                    codes[i] = p.poll()
+            failed = any(c not in (None, 0) for c in codes)
+            late = deadline is not None and time.monotonic() > deadline
+            if failed or late:
+                for i, p in enumerate(procs):
+                    if codes[i] is None:
+                        p.kill()
+                        codes[i] = p.wait()
+                break
+            time.sleep(0.05)
+        return codes
+
+
+def alpha_beta_allreduce_s(nbytes: float, n_ranks: int, rate: str, alpha_s: float = 2.5e-4,
+                           efficiency: float = 0.94) -> float:
+    """Ring all-reduce time ``2(N−1)α + 2(N−1)/N · bytes / B`` with ``B = 0.94 × rate``
+    (FINDINGS.md: within 5 % of gloo on tbf links)."""
+    if n_ranks < 2:
+        return 0.0
+    bandwidth = efficiency * rate_bits(rate) / 8
+    return 2 * (n_ranks - 1) * alpha_s + 2 * (n_ranks - 1) / n_ranks * nbytes / bandwidth
+
+
+_SELFTEST = r"""
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(int(os.environ["EDGC_NUMEL"]))
+dist.all_reduce(x)
+t = []
+for _ in range(3):
+    dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(x); t.append(time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    print(f"ALLREDUCE {min(t):.6f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--rate", default="1gbit", help="tbf rate, e.g. 100mbit, 1gbit; "
+                                                   "'none': unshaped")
+    p.add_argument("--numel", type=int, default=1_600_000)
+    p.add_argument("--selftest", action="store_true",
+                   help="time a gloo all-reduce of 6.4 MB vs the alpha-beta model")
+    args = p.parse_args()
+    if not args.selftest:
+        p.print_help()
+        return 0
+    numel = args.numel
+    rate = None if args.rate == "none" else args.rate
+    try:
+        with ShapedNetwork(args.ranks, rate) as net:
+            import tempfile
+
+            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+                fh.write(_SELFTEST)
+            codes = net.run([sys.executable, fh.name], env={"EDGC_NUMEL": str(numel)},
+                            timeout=300)
+            os.unlink(fh.name)
+    except NetnsUnavailable as exc:
+        print(f"namespaces unavailable ({exc})")
+        return 0
+    if rate is not None:
+        print(f"modelled all-reduce {alpha_beta_allreduce_s(numel * 4, args.ranks, rate) * 1e3:.1f}"
+              f" ms")
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
