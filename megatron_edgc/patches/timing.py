@@ -1,5 +1,5 @@
-"""Per-iteration stage timings for DAC (EDGC §6): micro-batch backward, backward sends,
-and the end of the DP gradient sync.
+"""Per-iteration stage timings for DAC (EDGC §6) and the benchmarks: micro-batch backward,
+backward sends, the end of the DP gradient sync, and when gradients are ready.
 
 megatron-core 0.16.1's schedules call the module-level
 ``pipeline_parallel/schedules.py:backward_step`` by name at call time, so wrapping that
@@ -62,11 +62,18 @@ class StageTiming:
     send_ms: float = float("nan")          # mean backward-send time t_p2p (NaN: no sends)
     sync_end_ms: float = float("nan")      # end of the DP gradient sync
     sync_end_wall: float = float("nan")    # the same, as wall-clock seconds
+    grads_ready_ms: float = float("nan")   # end of finalize_model_grads (DP sync and the
+                                           # tied-embedding / TP norm all-reduces)
 
     @property
     def sync_ms(self) -> float:
         """The DP sync time after this stage's backward: what DAC's ``T_s(r)`` models."""
         return self.sync_end_ms - self.backward_end_ms
+
+    @property
+    def grad_sync_ms(self) -> float:
+        """Last backward done → gradients ready for the optimizer (any mode, any layout)."""
+        return self.grads_ready_ms - self.backward_end_ms
 
 
 class StageTimer:
@@ -77,12 +84,13 @@ class StageTimer:
         self._backward: list = []
         self._sends: list = []
         self._sync_end = None
+        self._grads_ready = None
         self._installed = None
 
     # ------------------------------------------------------------------ stamps
 
     def begin_iteration(self) -> None:
-        self._backward, self._sends, self._sync_end = [], [], None
+        self._backward, self._sends, self._sync_end, self._grads_ready = [], [], None, None
         self.clock.start()
 
     def stamp(self):
@@ -93,6 +101,15 @@ class StageTimer:
 
     def mark_sync_end(self) -> None:
         self._sync_end = self.clock.stamp()
+
+    def timed_finalize(self, finalize):
+        """Wrap megatron-core's ``finalize_model_grads`` to stamp when gradients are ready."""
+        def finalize_and_stamp(*args, **kwargs):
+            out = finalize(*args, **kwargs)
+            self._grads_ready = self.clock.stamp()
+            return out
+
+        return finalize_and_stamp
 
     def finish(self) -> StageTiming:
         """Resolve the iteration's stamps (call after the end-of-iteration synchronize)."""
@@ -106,6 +123,8 @@ class StageTimer:
         if self._sync_end is not None:
             t.sync_end_ms = ms(self._sync_end)
             t.sync_end_wall = self.clock.wall(self._sync_end)
+        if self._grads_ready is not None:
+            t.grads_ready_ms = ms(self._grads_ready)
         return t
 
     # ------------------------------------------------------------------ the patch

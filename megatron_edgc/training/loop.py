@@ -77,13 +77,13 @@ class Trainer:
                                      self.dp_compression.load_state_dict)
         e, pp = cfg.edgc, p.pipeline_model_parallel_size
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        # Stage timings (DAC, and the pipeline telemetry) whenever EDGC or PP compression runs.
-        self.timer = None
-        if pp > 1 and (e.mode == "edgc" or e.pp_compression != "off"):
-            self.timer = StageTimer(self.on_gpu)
-            self.timer.install()
-            if self.dp_compression is not None:
-                self.dp_compression.sync_end_hook = self.timer.mark_sync_end
+        # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.
+        self.timer = StageTimer(self.on_gpu)
+        self.timer.install()
+        self.bundle.config.finalize_model_grads_func = self.timer.timed_finalize(
+            finalize_model_grads)
+        if self.dp_compression is not None:
+            self.dp_compression.sync_end_hook = self.timer.mark_sync_end
         self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size,
                                  cfg.model.hidden_size)
         self.p2p = None
@@ -223,7 +223,7 @@ class Trainer:
         return [self.dp_compression.rank] * self.cfg.parallel.pipeline_model_parallel_size
 
     #: Per-stage timing columns of the per-iteration all-reduce.
-    _TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "dp_sync_end_wall")
+    _TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
 
     def _dp_sync_record(self) -> dict:
         """DP-sync and pipeline telemetry: this rank's bytes and times, the whole job's
@@ -237,7 +237,8 @@ class Trainer:
         times = torch.zeros(len(self._TIMES), 2, n_stages, dtype=torch.float64)
         timing = self.timer.finish() if self.timer is not None else None
         if timing is not None:
-            values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.sync_end_wall)
+            values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
+                      timing.sync_end_wall)
             for i, v in enumerate(values):
                 if math.isfinite(v):
                     times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
@@ -366,6 +367,9 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
         if history and "pp_bytes_sent_job" in history[0] else None,
         "dp_sync_end_spread_ms": float(numpy.mean([r["dp_sync_end_spread_ms"] for r in steady]))
         if steady and "dp_sync_end_spread_ms" in steady[0] else None,
+        # the slowest stage's "last backward done → gradients ready", per iteration
+        "grad_sync_ms": float(numpy.mean([numpy.nanmax(r["grad_sync_ms"]) for r in steady]))
+        if steady and "grad_sync_ms" in steady[0] else None,
         "wall_s": wall_s,
         "layout": f"TP{cfg.parallel.tensor_model_parallel_size}·"
                   f"PP{cfg.parallel.pipeline_model_parallel_size}·"
@@ -382,6 +386,7 @@ def format_summary(s: dict) -> str:
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['final_loss'], '.4f')}",
         f"val loss {f(s['val_loss'], '.4f')}", f"val ppl {f(s['val_ppl'], '.2f')}",
         f"{f(s['ms_per_iter'], '.1f')} ms/iter", f"{f(s['tokens_per_s'], '.0f')} tok/s",
+        f"grad sync {f(s.get('grad_sync_ms'), '.1f')} ms",
         f"wall {s['wall_s']:.1f} s"]))
 
 
