@@ -29,18 +29,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_edgc.compression.activation import ActivationGradSender
+from megatron_edgc.compression.activation import ActivationGradSender, decompress
+from megatron_edgc.compression.powersgd import FLOAT_BYTES  # noqa: F401 (message size unit)
 
 logger = logging.getLogger(__name__)
 
 TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
 MAGIC = 7351.0
 HEADER = 6  # magic, table version, rank, n, m, message index (fp32: exact below 2^24)
-FLOAT_BYTES = 4
 
 
 class PipelineRankMismatch(RuntimeError):
@@ -53,14 +52,10 @@ class PPSendStats:
 
     bytes_sent: int = 0
     bytes_dense: int = 0
-    messages: int = 0
-    compressed_messages: int = 0
-    nonfinite_messages: int = 0
     events: list = field(default_factory=list)
 
     def reset(self) -> None:
-        self.bytes_sent = self.bytes_dense = self.messages = 0
-        self.compressed_messages = self.nonfinite_messages = 0
+        self.bytes_sent = self.bytes_dense = 0
         self.events = []
 
 
@@ -169,16 +164,18 @@ class CompressingP2PCommunicator(P2PCommunicator):
     def _sender(self, k: int) -> ActivationGradSender:
         chunk = 0 if self._send_chunk is None else self._send_chunk[k % len(self._send_chunk)]
         if chunk not in self.senders:
-            self.senders[chunk] = ActivationGradSender(
-                self.rank, seed=self.seed, name=f"pp-stage{self.stage}-chunk{chunk}")
+            self.senders[chunk] = self._new_sender(chunk, self.rank)
         return self.senders[chunk]
+
+    def _new_sender(self, chunk: int, rank: int) -> ActivationGradSender:
+        return ActivationGradSender(rank, seed=self.seed,
+                                    name=f"pp-stage{self.stage}-chunk{chunk}")
 
     def _pack(self, grad: torch.Tensor, k: int) -> torch.Tensor:
         n, m = grad.numel() // grad.shape[-1], grad.shape[-1]
         p_hat, q = self._sender(k).compress(grad.detach())
         r = p_hat.shape[1]
         if not bool(torch.isfinite(p_hat).all()):
-            self.stats.nonfinite_messages += 1
             self.stats.events.append(f"non-finite activation gradient in backward message {k} "
                                      f"of stage {self.stage}: sent as such, residual kept")
         header = torch.tensor([MAGIC, self.table_version, r, n, m, k], dtype=torch.float32,
@@ -198,7 +195,7 @@ class CompressingP2PCommunicator(P2PCommunicator):
         p_hat = buf[HEADER:HEADER + n * r].view(n, r)
         q = buf[HEADER + n * r:].view(m, r)
         with torch.no_grad():
-            out.copy_((p_hat @ q.T).view(out.shape))
+            out.copy_(decompress(p_hat, q, out.shape, out.dtype))
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
                      tensor_shape, wait_on_reqs=True):
@@ -216,11 +213,9 @@ class CompressingP2PCommunicator(P2PCommunicator):
             self.send_count += 1
             if k == 0 and self.entropy_probe is not None:
                 self.entropy_probe(tensor_send_prev)
-            self.stats.messages += 1
             self.stats.bytes_dense += tensor_send_prev.numel() * tensor_send_prev.element_size()
             if self.compressed(k, receiver=(self.stage - 1) % self.pp_size):
                 send_prev = self._pack(tensor_send_prev, k)
-                self.stats.compressed_messages += 1
             self.stats.bytes_sent += send_prev.numel() * send_prev.element_size()
 
         def full(shape):
@@ -290,24 +285,7 @@ class CompressingP2PCommunicator(P2PCommunicator):
         self.set_rank(state["rank"], state["table_version"])
         self.senders = {}
         for chunk, sender_state in state["senders"].items():
-            sender = ActivationGradSender(sender_state["rank"], seed=self.seed,
-                                          name=f"pp-stage{self.stage}-chunk{chunk}")
+            sender = self._new_sender(chunk, sender_state["rank"])
             sender.load_state_dict(sender_state)
             self.senders[chunk] = sender
 
-
-def bytes_per_message(shape, rank: Optional[int], dense_element_size: int) -> int:
-    """What one backward message of ``shape`` puts on the wire: dense, or rank-r factors."""
-    n, m = math.prod(shape[:-1]), shape[-1]
-    if rank is None:
-        return n * m * dense_element_size
-    r = min(rank, n, m)
-    return (HEADER + (n + m) * r) * FLOAT_BYTES
-
-
-def pipeline_group_broadcast(values: list, group, device) -> list:
-    """Broadcast a list of small ints (None as -1) from the group's first rank."""
-    t = torch.tensor([-1 if v is None else int(v) for v in values], dtype=torch.int64,
-                     device=device)
-    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-    return [None if v < 0 else v for v in t.tolist()]

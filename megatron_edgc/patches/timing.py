@@ -85,7 +85,7 @@ class StageTimer:
         self._sends: list = []
         self._sync_end = None
         self._grads_ready = None
-        self._installed = None
+        self._installed = False
 
     # ------------------------------------------------------------------ stamps
 
@@ -130,14 +130,14 @@ class StageTimer:
     # ------------------------------------------------------------------ the patch
 
     def install(self) -> None:
-        """Wrap ``schedules.backward_step`` (idempotent per timer; undone by uninstall)."""
+        """Wrap ``schedules.backward_step`` (once per timer)."""
         from megatron.core import package_info
         from megatron.core.pipeline_parallel import schedules
 
         if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
             logger.warning("backward timing written for megatron-core %s, running on %s",
                            TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
-        if self._installed is not None:
+        if self._installed:
             return
         original = schedules.backward_step
         timer = self
@@ -150,10 +150,4 @@ class StageTimer:
 
         timed_backward_step.__wrapped__ = original
         schedules.backward_step = timed_backward_step
-        self._installed = (schedules, original)
-
-    def uninstall(self) -> None:
-        if self._installed is not None:
-            module, original = self._installed
-            module.backward_step = original
-            self._installed = None
+        self._installed = True

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
 from megatron_edgc.entropy import GradientSampler, estimate_entropy
-from megatron_edgc.patches.p2p import pipeline_group_broadcast
 from megatron_edgc.rank_model import RankModel
 from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
@@ -47,6 +46,14 @@ DAC_DECAY = 0.5
 
 class RankTableMismatch(RuntimeError):
     pass
+
+
+def _broadcast_ints(values: list, device) -> list:
+    """The first rank's list of small ints (None as -1), on every rank of the job."""
+    t = torch.tensor([-1 if v is None else int(v) for v in values], dtype=torch.int64,
+                     device=device)
+    dist.broadcast(t, src=0)
+    return [None if v < 0 else v for v in t.tolist()]
 
 
 def dominant_shape(chunks) -> tuple[int, int]:
@@ -324,7 +331,7 @@ class EdgcDriver:
                     f[i] *= DAC_DECAY
         self._window_times = [[0.0] * 4 for _ in range(self.num_stages)]
         pp = self.pp_controller.table[0] if self.pp_controller is not None else None
-        shared = pipeline_group_broadcast(table + [pp], dist.group.WORLD, self.device)
+        shared = _broadcast_ints(table + [pp], self.device)
         self.dp_table, self.pp_rank = shared[:-1], shared[-1]
         self.table_version += 1
         if self.pp_controller is not None:

@@ -199,8 +199,7 @@ class Trainer:
             if self.cfg.edgc.pp_compression == "static":
                 e = self.cfg.edgc
                 self.p2p.set_rank(e.pp_rank if self.iteration >= e.start_iter else None, 0)
-        if self.timer is not None:
-            self.timer.begin_iteration()
+        self.timer.begin_iteration()
         losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
@@ -210,8 +209,7 @@ class Trainer:
                "skipped": not update_ok}
         out.update(self._dp_sync_record())
         if self.edgc is not None:  # decides the next ranks
-            out.update(self.edgc.after_step(self.iteration, out.get("stage_times")))
-        out.pop("stage_times", None)
+            out.update(self.edgc.after_step(self.iteration, out))
         return out
 
     def _rank_per_stage(self, stats):
@@ -235,13 +233,12 @@ class Trainer:
         n_stages = self.cfg.parallel.pipeline_model_parallel_size
         head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0]
         times = torch.zeros(len(self._TIMES), 2, n_stages, dtype=torch.float64)
-        timing = self.timer.finish() if self.timer is not None else None
-        if timing is not None:
-            values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
-                      timing.sync_end_wall)
-            for i, v in enumerate(values):
-                if math.isfinite(v):
-                    times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
+        timing = self.timer.finish()
+        values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
+                  timing.sync_end_wall)
+        for i, v in enumerate(values):
+            if math.isfinite(v):
+                times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
         totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1)])
         totals = totals.to(self.device)
         dist.all_reduce(totals)
@@ -257,16 +254,14 @@ class Trainer:
                        pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
             for event in pps.events:
                 print(f"iteration {self.iteration + 1}: {event}", flush=True)
-        if timing is not None:
-            sums = totals[4:].view(len(self._TIMES), 2, n_stages)
-            stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
-                                 else float("nan") for s in range(n_stages)]
-                           for i, key in enumerate(self._TIMES)}
-            ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
-            rec.update({k: v for k, v in stage_times.items()})
-            if len(ends) > 1:
-                rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
-            rec["stage_times"] = stage_times
+        sums = totals[4:].view(len(self._TIMES), 2, n_stages)
+        stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
+                             else float("nan") for s in range(n_stages)]
+                       for i, key in enumerate(self._TIMES)}
+        ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
+        rec.update(stage_times)  # per-stage means, identical on every rank (DAC reads them)
+        if len(ends) > 1:
+            rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
                        dp_nonfinite_buckets=st.nonfinite_buckets)
