@@ -363,6 +363,13 @@ class EdgcConfig:
         2.0, "compress a matrix only if it shrinks at least this much: (n+m) r x rate <= n m",
         min=1.0)
     start_iter: int = knob(0, "iterations of dense DP sync before compression starts", min=0)
+    bypass: str = knob("auto", "auto: send a bucket dense when the communication time its "
+                               "compression saves (alpha-beta link measured on the DP group) "
+                               "is below the measured compress + decompress time; off: always "
+                               "compress (force)", choices=("auto", "off"))
+    link_gbps: Optional[float] = knob(None, "bypass: declare the DP all-reduce rate in Gbit/s "
+                                            "instead of measuring it", min=0.0,
+                                      min_exclusive=True)
     # The controller (edgc mode), EDGC §2-5; defaults are the paper's (§8).
     window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
                        min=1)

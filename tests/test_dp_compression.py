@@ -91,3 +91,36 @@ def test_nonfinite_bucket_goes_dense_without_polluting_error_feedback(small_mode
                 assert torch.equal(mat["residual"], other["matrices"][name]["residual"]), name
                 assert torch.equal(mat["q"], other["matrices"][name]["q"]), name
     assert last["dp_nonfinite_buckets"] >= 1
+
+
+def test_bypass_sends_dense_when_compression_does_not_pay(small_model_argv, tmp_path):
+    """--edgc-bypass auto: on a declared very fast link every bucket goes dense and training
+    is bit-identical to plain megatron-core; on a declared very slow link every bucket is
+    compressed (bytes from the shapes); measured, the link and the decisions agree on every
+    DP replica."""
+    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "6"]
+    static = ["--edgc-mode", "static", "--edgc-rank", str(RANK), "--edgc-bypass", "auto"]
+    runs = {}
+    for name, extra in {"off": ["--edgc-mode", "off"],
+                        "fast": static + ["--edgc-link-gbps", "1e6"],
+                        "slow": static + ["--edgc-link-gbps", "1e-6"],
+                        "measured": static}.items():
+        metrics = str(tmp_path / f"{name}.jsonl")
+        res = run_job(base + extra + ["--metrics-file", metrics], str(tmp_path / name))
+        runs[name] = (read_jsonl(metrics), res)
+    off, fast, slow, measured = (runs[k][0] for k in ("off", "fast", "slow", "measured"))
+    assert [r["loss"] for r in fast] == [r["loss"] for r in off]
+    for a, b in zip(runs["off"][1], runs["fast"][1]):
+        for name, t in a["params"].items():
+            assert torch.equal(t, b["params"][name]), name
+    assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] and r["dp_bypassed_buckets"] == 1
+               for r in fast)
+    logger = next(r for r in runs["slow"][1] if r["pp"] == 1 and r["dp"] == 0)
+    want = expected_bytes(logger["params"], logger["n_buckets"], RANK)
+    for r in slow:
+        assert r["dp_bytes_sent"] == want and r["dp_bypassed_buckets"] == 0
+        assert r["dp_predicted_saving_ms"] > 1e3 * r["dp_predicted_cost_ms"] > 0
+    assert [r["loss"] for r in slow] != [r["loss"] for r in off]
+    assert_dp_replicas_identical(runs["measured"][1])
+    assert all(0 < r["dp_link_gbps"] < 1e4 for r in measured)
+    assert all(r["dp_bytes_sent"] in (want, r["dp_bytes_dense"]) for r in measured)

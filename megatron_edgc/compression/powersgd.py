@@ -184,12 +184,16 @@ class BucketCompressor:
 
     # ------------------------------------------------------------------ sizes
 
-    def compressed_numel(self) -> int:
-        """Elements of the two collectives (P + dense + flag, then Q)."""
+    def collective_numels(self) -> tuple[int, int]:
+        """Elements of the two collectives: ``[P | dense rest | flag]`` and ``Q``."""
         p = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
         q = sum(len(g.indices) * g.m * self._rank_for(g) for g in self.groups.values())
         dense = sum(self.entries[i][1][0] * self.entries[i][1][1] for i in self.dense_indices)
-        return p + dense + 1 + q
+        return p + dense + 1, q
+
+    def compressed_numel(self) -> int:
+        """Elements of the two collectives together."""
+        return sum(self.collective_numels())
 
     def dense_numel(self) -> int:
         return sum(n * m for _, (n, m) in self.entries)
@@ -268,6 +272,21 @@ class BucketCompressor:
             g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_local[key].transpose(1, 2))
             g.q = q.clone()
         assert offset == reduced_q.numel()
+
+    def absorb_residual(self, grads: Sequence[torch.Tensor]) -> None:
+        """Before a dense sync of this bucket: add every residual (and pending flush) into
+        its gradient and zero it — the dense message carries the whole error, nothing is
+        lost. The warm-start Q is kept for the next compressed step."""
+        assert len(grads) == len(self.entries)
+        for g in self.groups.values():
+            if g.residual is None:
+                continue
+            for j, i in enumerate(g.indices):
+                grads[i].add_(g.residual[j].to(grads[i].dtype))
+            g.residual.zero_()
+        for i, (name, _) in enumerate(self.entries):
+            if name in self._pending_flush:
+                grads[i].add_(self._pending_flush.pop(name).view_as(grads[i]).to(grads[i].dtype))
 
     # ------------------------------------------------------------------ state
 

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,17 @@ class DPSyncStats:
     compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
     comm_s: float = 0.0      # time waiting for the collectives
     nonfinite_buckets: int = 0
+    bypassed_buckets: int = 0        # sent dense by the bypass (compression would not pay)
+    predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
+    predicted_cost_s: float = 0.0    # their measured compress + decompress time
     compressed: bool = False
     events: list = field(default_factory=list)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
+        self.bypassed_buckets = 0
         self.compress_s = self.comm_s = 0.0
+        self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
         self.events = []
 
@@ -80,10 +86,16 @@ class DPGradientCompression:
     bucket's local gradient before the sync (the entropy sampler reads it there);
     ``sync_end_hook``, when set, is called as each bucket group's sync completes (DAC's
     timer keeps the last call).
+
+    ``bypass="auto"`` sends a bucket dense when compressing it would not pay
+    (:mod:`megatron_edgc.compression.bypass`): the DP link is measured once (or declared
+    with ``link``), each bucket's compress + decompress time once per rank, both reduced
+    with MAX over the DP group so every replica takes the same decision.
     """
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
-                 start_iter: int, seed: int):
+                 start_iter: int, seed: int, bypass: str = "off",
+                 link: Optional[LinkModel] = None):
         from megatron.core import package_info
 
         if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
@@ -99,7 +111,13 @@ class DPGradientCompression:
         self.sync_end_hook: Optional[Callable[[], None]] = None  # after each group's sync
         self.compressors: dict[str, BucketCompressor] = {}
         self._bucket_key: dict[int, str] = {}
+        self._bucket_bytes: dict[str, int] = {}
         self.bucket_groups = []
+        self.bypass = bypass
+        self.link = link
+        self._costs: dict[int, dict[str, float]] = {}  # rank -> bucket -> seconds (DP max)
+        self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
+        self.seed = seed
         for ci, chunk in enumerate(chunks):
             names = {p: f"chunk{ci}.{n}" for n, p in chunk.module.named_parameters()}
             for gi, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
@@ -110,6 +128,7 @@ class DPGradientCompression:
                         entries, rank or 1, min_compression_rate=min_compression_rate,
                         seed=seed, device=bucket.grad_data.device)
                     self._bucket_key[id(bucket)] = key
+                    self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
                 self._patch(group)
                 self.bucket_groups.append(group)
 
@@ -122,6 +141,93 @@ class DPGradientCompression:
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.stats.reset()
+
+    def prepare_iteration(self) -> None:
+        """Bypass decisions for this iteration's rank (call after the rank is set, outside
+        the schedule: the first call per rank runs collectives on the DP group)."""
+        if self.bypass != "auto" or not self.active:
+            self.dense_keys = frozenset()
+            return
+        if self.link is None:
+            self.link = self._measure_link()
+            logger.info("bypass: DP all-reduce %.3g Gbit/s, alpha %.3g ms",
+                        self.link.gbit_per_s, self.link.alpha_s * 1e3)
+        if self.rank not in self._costs:
+            self._costs[self.rank] = self._measure_costs()
+        costs = self._costs[self.rank]
+        dense = set()
+        for key, comp in self.compressors.items():
+            first, second = comp.collective_numels()
+            saving = compression_saving_s(self.link, self._bucket_bytes[key],
+                                          first * FLOAT_BYTES, second * FLOAT_BYTES)
+            if saving <= costs[key]:
+                dense.add(key)
+            else:
+                self.stats.predicted_saving_s += saving
+                self.stats.predicted_cost_s += costs[key]
+        if dense != self.dense_keys:
+            self.stats.events.append(
+                f"bypass at rank {self.rank}: {len(dense)} of {len(self.compressors)} buckets "
+                f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s)")
+        self.dense_keys = frozenset(dense)
+
+    def _timed(self, fn) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def _measure_link(self) -> LinkModel:
+        """α and β of an all-reduce on the DP group, from a small and a bucket-sized buffer
+        (capped at 4 MiB): mean of three back-to-back all-reduces (which absorbs the
+        replicas' skew after the barrier), best of two, slowest replica."""
+        device = next(iter(self.compressors.values())).device
+        largest = max(self._bucket_bytes.values()) // FLOAT_BYTES
+        sizes = [256, max(512, min(largest, 1 << 20))]
+        times = []
+
+        def three(buf):
+            for _ in range(3):
+                dist.all_reduce(buf, group=self.dp_group)
+
+        for numel in sizes:
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            dist.all_reduce(buf, group=self.dp_group)  # connection warm-up
+            best = float("inf")
+            for _ in range(2):
+                dist.barrier(group=self.dp_group)
+                best = min(best, self._timed(lambda: three(buf)) / 3)
+            times.append(best)
+        worst = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return LinkModel.fit([n * FLOAT_BYTES for n in sizes], worst.tolist())
+
+    def _measure_costs(self) -> dict:
+        """Compress + decompress time of every bucket at the current rank, on random
+        gradients with a scratch compressor (the real state is untouched); slowest replica."""
+        keys = sorted(self.compressors)
+        costs = []
+        for key in keys:
+            comp = self.compressors[key]
+            scratch = BucketCompressor(comp.entries, self.rank,
+                                       min_compression_rate=comp.min_compression_rate,
+                                       seed=self.seed, device=comp.device)
+            grads = [torch.randn(n, m, device=comp.device) for _, (n, m) in comp.entries]
+
+            def once():
+                buf, step = scratch.start(grads)
+                q = scratch.middle(step, buf)
+                scratch.finish(step, q)
+
+            once()  # allocates Q and the residual
+            costs.append(min(self._timed(once), self._timed(once)))
+        worst = torch.tensor(costs, dtype=torch.float64,
+                             device=next(iter(self.compressors.values())).device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return dict(zip(keys, worst.tolist()))
 
     def set_rank(self, rank: Optional[int]) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept)."""
@@ -207,8 +313,18 @@ class DPGradientCompression:
             factor = bucket.gradient_scaling_factor * scale_extra
             if factor != 1.0:
                 bucket.grad_data *= factor
-            comp = self.compressors[self._bucket_key[id(bucket)]]
+            key = self._bucket_key[id(bucket)]
+            comp = self.compressors[key]
             grads = [p.main_grad.view(matrix_shape(p.shape)) for p in bucket.params_list]
+            if key in self.dense_keys:  # the bypass: this bucket's compression would not pay
+                comp.absorb_residual(grads)
+                handle = dist.all_reduce(bucket.grad_data, group=self.dp_group,
+                                         async_op=async_op)
+                stats.bypassed_buckets += 1
+                stats.bytes_sent += _bucket_grad_bytes(bucket)
+                stats.bytes_dense += _bucket_grad_bytes(bucket)
+                launched.append((bucket, None, None, None, handle))
+                continue
             buf, step = comp.start(grads)
             stats.compress_s += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -224,6 +340,8 @@ class DPGradientCompression:
                 if handle is not None:
                     handle.wait()
                 stats.comm_s += time.perf_counter() - t0
+                if comp is None:  # bypassed: the dense all-reduce was the whole sync
+                    continue
                 t0 = time.perf_counter()
                 q_buf = comp.middle(step, buf)
                 stats.compress_s += time.perf_counter() - t0

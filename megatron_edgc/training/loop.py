@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
 from megatron_edgc.patches.ddp import DPGradientCompression
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator
@@ -72,7 +73,9 @@ class Trainer:
             self.dp_compression = DPGradientCompression(
                 self.bundle.chunks, self.dp_group, rank=cfg.edgc.rank,
                 min_compression_rate=cfg.edgc.min_compression_rate,
-                start_iter=cfg.edgc.start_iter, seed=cfg.training.seed)
+                start_iter=cfg.edgc.start_iter, seed=cfg.training.seed,
+                bypass=cfg.edgc.bypass,
+                link=LinkModel.declared(cfg.edgc.link_gbps) if cfg.edgc.link_gbps else None)
             ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
                                      self.dp_compression.load_state_dict)
         e, pp = cfg.edgc, p.pipeline_model_parallel_size
@@ -194,6 +197,8 @@ class Trainer:
             self.dp_compression.set_iteration(self.iteration)
         if self.edgc is not None:
             self.edgc.before_step(self.iteration)
+        if self.dp_compression is not None:
+            self.dp_compression.prepare_iteration()  # bypass decisions for this rank
         if self.p2p is not None:
             self.p2p.begin_iteration()
             if self.cfg.edgc.pp_compression == "static":
@@ -264,7 +269,12 @@ class Trainer:
             rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
-                       dp_nonfinite_buckets=st.nonfinite_buckets)
+                       dp_nonfinite_buckets=st.nonfinite_buckets,
+                       dp_bypassed_buckets=st.bypassed_buckets,
+                       dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
+                       dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
+            if self.dp_compression.link is not None:
+                rec["dp_link_gbps"] = self.dp_compression.link.gbit_per_s
             if st.events and self.dp_rank == 0:
                 for event in st.events:
                     print(f"iteration {self.iteration + 1}: {event}", flush=True)

@@ -1,0 +1,68 @@
+"""Pay only when it pays: send a bucket dense when compressing it costs more time than the
+bytes it saves (issue 7 §5; EDGC.md leaves it open, the paper assumes a slow link).
+
+A bucket's compressed sync is two all-reduces (``[P | dense rest | flag]`` then ``Q``)
+plus the compression math (``P = MQ``, orthonormalization, ``Q = MᵀP̂``, ``P̂Qᵀ``, the
+residual). Its dense sync is one all-reduce of the whole bucket. With an alpha-beta link
+``t(b) = α + b·β`` measured on the DP group, compression pays when
+
+    t(dense) − t(P part) − t(Q part) > compress + decompress time.
+
+The decision is taken from figures reduced (MAX) over the DP group, so every replica
+sends the same way; see :class:`megatron_edgc.patches.ddp.DPGradientCompression`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """All-reduce time of a buffer of ``b`` bytes on the DP group: ``alpha_s + b · s_per_byte``."""
+
+    alpha_s: float
+    s_per_byte: float
+
+    def allreduce_s(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.s_per_byte
+
+    @property
+    def gbit_per_s(self) -> float:
+        """Payload rate of the all-reduce (bytes of the buffer, not of the wire)."""
+        return 8e-9 / self.s_per_byte if self.s_per_byte > 0 else float("inf")
+
+    @classmethod
+    def declared(cls, gbit_per_s: float, alpha_s: float = 0.0) -> "LinkModel":
+        if gbit_per_s <= 0:
+            raise ValueError(f"link rate must be > 0 Gbit/s, got {gbit_per_s}")
+        return cls(alpha_s, 8e-9 / gbit_per_s)
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], times: Sequence[float]) -> "LinkModel":
+        """Least squares through (bytes, seconds); α and β clamped at 0 (noise on a fast
+        link can tilt a two-point fit below zero)."""
+        if len(sizes) != len(times) or len(sizes) < 2:
+            raise ValueError("need at least two (size, time) measurements")
+        n = len(sizes)
+        mx, my = sum(sizes) / n, sum(times) / n
+        sxx = sum((x - mx) ** 2 for x in sizes)
+        if sxx <= 0:
+            raise ValueError("measurements need two different sizes")
+        beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx)
+        alpha = max(0.0, my - beta * mx)
+        return cls(alpha, beta)
+
+
+def compression_saving_s(link: LinkModel, dense_bytes: float, p_bytes: float,
+                         q_bytes: float) -> float:
+    """Communication time a compressed sync saves over the dense one (may be negative)."""
+    compressed = link.allreduce_s(p_bytes) + (link.allreduce_s(q_bytes) if q_bytes else 0.0)
+    return link.allreduce_s(dense_bytes) - compressed
+
+
+def compression_pays(link: LinkModel, dense_bytes: float, p_bytes: float, q_bytes: float,
+                     cost_s: float) -> bool:
+    """True when the saved communication time exceeds the compression math's ``cost_s``."""
+    return compression_saving_s(link, dense_bytes, p_bytes, q_bytes) > cost_s
