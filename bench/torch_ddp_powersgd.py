@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""The peer baseline: PyTorch's ``powerSGD_hook`` on ``torch.nn.parallel.DistributedDataParallel``.
+
+    python bench/torch_ddp_powersgd.py --hook-rank 32 --data-parallel-size 4 \\
+        --pipeline-model-parallel-size 1 [any pretrain_gpt2_edgc.py flag]
+    python bench/torch_ddp_powersgd.py --hook-rank 0 ...   # torch DDP, plain all-reduce
+
+Same model (megatron-core ``GPTModel``, same init seeds), same data stream, same loss,
+the same learning-rate schedule (megatron-core's ``OptimizerParamScheduler``) and Adam
+with decoupled weight decay on the same parameters (no decay on biases and norms), clipping
+at ``--clip-grad``: only the data-parallel engine differs. Pure DP layout (TP = PP = 1).
+PowerSGD as PyTorch ships it: error feedback, warm start, ``--hook-start-iter`` iterations of
+plain all-reduce first (its minimum is 2), ``min_compression_rate`` = ``--edgc-min-compression-rate``.
+
+Writes the same metrics JSONL and summary as ``pretrain_gpt2_edgc.py`` (iteration, loss,
+iter_ms, ``grad_sync_ms`` = last gradient bucket handed to the hook → DDP's backward
+returns with reduced gradients, ``dp_bytes_sent_job`` from the hook's own element counters,
+val loss), so the benchmark reads both alike. Launch as the trainer: plain (local
+processes), torchrun or srun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class TimedHook:
+    """Wraps a DDP comm hook: stamps each bucket's hand-over and counts the elements the
+    hook puts into collectives (PowerSGD's own counters; the bucket when it runs plain)."""
+
+    def __init__(self, hook, state, powersgd: bool):
+        self.hook, self.state, self.powersgd = hook, state, powersgd
+        self.last_ready = None
+        self.bytes_sent = 0
+
+    def reset(self) -> None:
+        self.last_ready = None
+        self.bytes_sent = 0
+
+    def __call__(self, state, bucket):
+        self.last_ready = time.perf_counter()
+        before = state.total_numel_after_compression if self.powersgd else None
+        fut = self.hook(state, bucket)
+        buf = bucket.buffer()
+        if self.powersgd and state.total_numel_after_compression != before:
+            self.bytes_sent += (state.total_numel_after_compression - before) * buf.element_size()
+        else:  # plain all-reduce (dense hook, or PowerSGD before its start iteration)
+            self.bytes_sent += buf.numel() * buf.element_size()
+        return fut
+
+
+def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
+    import numpy
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from megatron_edgc.telemetry import MetricsWriter
+    from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
+    from megatron_edgc.training.loop import init_worker, shutdown_worker, summarize
+    from megatron_edgc.training.model import layer_spec, transformer_config
+    from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
+
+    init_worker(cfg, rank, world_size, local_rank)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        on_gpu = torch.cuda.is_available()
+        device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+        t, m, e = cfg.training, cfg.model, cfg.edgc
+        # The trainer's seeds (stage 0, TP rank 0), so the initial weights are the same.
+        import random
+
+        random.seed(t.seed)
+        numpy.random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        if on_gpu:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(t.seed)
+        else:
+            from megatron_edgc.patches.cpu import model_parallel_cpu_manual_seed
+
+            model_parallel_cpu_manual_seed(t.seed, 0)
+        tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
+        vocab = padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by, 1)
+        bf16 = bool(cfg.training.bf16)
+        model = GPTModel(config=transformer_config(cfg, bf16, on_gpu),
+                         transformer_layer_spec=layer_spec(), vocab_size=vocab,
+                         max_sequence_length=m.max_position_embeddings, pre_process=True,
+                         post_process=True, share_embeddings_and_output_weights=True,
+                         position_embedding_type="learned_absolute").to(device)
+        dp_group = parallel_state.get_data_parallel_group()
+        # Megatron's bucketing (default bucket: max(40M, 1M x DP) elements). It also keeps
+        # PyTorch's hook working on gloo: with several buckets its chained all-reduces of P
+        # and Q interleave differently per rank (measured: "Received data size doesn't
+        # match expected size" with DDP's default 1 MiB first bucket).
+        bucket_elems = cfg.parallel.bucket_size or max(40_000_000,
+                                                       1_000_000 * dist.get_world_size(dp_group))
+        ddp = DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None,
+                                      process_group=dp_group,
+                                      bucket_cap_mb=bucket_elems * 4 / 2**20)
+        if opts.hook_rank > 0:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=dp_group, matrix_approximation_rank=opts.hook_rank,
+                start_powerSGD_iter=opts.hook_start_iter,
+                min_compression_rate=e.min_compression_rate, use_error_feedback=True,
+                warm_start=True, random_seed=t.seed)
+            hook = TimedHook(powerSGD_hook.powerSGD_hook, state, powersgd=True)
+        else:
+            state = dp_group
+            hook = TimedHook(default_hooks.allreduce_hook, state, powersgd=False)
+
+        def timed_hook(hook_state, bucket):  # DDP wants a function (it reads its names)
+            return hook(hook_state, bucket)
+
+        ddp.register_comm_hook(state, timed_hook)
+
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        no_decay = [p for p in model.parameters() if p.dim() <= 1]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}], lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
+            lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=t.train_iters, wd_incr_style="constant")
+
+        dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        nmb = cfg.num_microbatches
+        evals = t.train_iters // cfg.eval.eval_interval + 1
+        gbs = t.global_batch_size
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            cfg, tokenizer, (t.train_iters * gbs, cfg.eval.eval_iters * gbs * evals))
+        train = MicroBatchStream(train_ds, t.micro_batch_size, nmb, dp_rank, dp_size)
+        valid = MicroBatchStream(valid_ds, t.micro_batch_size, nmb, dp_rank, dp_size)
+
+        def micro_loss(net, batch):
+            out = net(batch["tokens"].to(device), batch["position_ids"].to(device), None,
+                      labels=batch["labels"].to(device))
+            mask = batch["loss_mask"].to(device).float().view(-1)
+            return torch.sum(out.float().view(-1) * mask) / mask.sum().clamp(min=1)
+
+        def dp_mean(value: float) -> float:
+            v = torch.tensor([value], dtype=torch.float64, device=device)
+            dist.all_reduce(v, group=dp_group)
+            return v.item() / dp_size
+
+        @torch.no_grad()
+        def evaluate() -> float:
+            ddp.eval()
+            losses = [micro_loss(model, b).item() for k in range(cfg.eval.eval_iters)
+                      for b in valid.micro_batches(k)]
+            ddp.train()
+            return dp_mean(float(numpy.mean(losses)))
+
+        is_logger = rank == 0
+        writer = MetricsWriter(cfg.logging.metrics_file, None, is_logger)
+        history, val_loss, start = [], None, time.perf_counter()
+        tokens = gbs * m.seq_length
+        for it in range(t.train_iters):
+            hook.reset()
+            if on_gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            losses = []
+            for j, batch in enumerate(train.micro_batches(it)):
+                last = j == nmb - 1
+                if last:
+                    loss = micro_loss(ddp, batch)
+                    (loss / nmb).backward()     # DDP returns once the gradients are reduced
+                else:
+                    with ddp.no_sync():
+                        loss = micro_loss(ddp, batch)
+                        (loss / nmb).backward()
+                losses.append(loss.detach())
+            if on_gpu:
+                torch.cuda.synchronize()
+            ready = time.perf_counter()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            optimizer.step()
+            scheduler.step(increment=1)
+            if on_gpu:
+                torch.cuda.synchronize()
+            iter_ms = (time.perf_counter() - t0) * 1e3
+            sent = torch.tensor([hook.bytes_sent], dtype=torch.float64, device=device)
+            dist.all_reduce(sent)
+            record = {"iteration": it + 1,
+                      "loss": dp_mean(torch.stack(losses).float().mean().item()),
+                      "lr": optimizer.param_groups[0]["lr"], "iter_ms": iter_ms,
+                      "tokens": tokens, "tokens_per_s": tokens / (iter_ms / 1e3),
+                      "grad_norm": float(grad_norm),
+                      "grad_sync_ms": [(ready - hook.last_ready) * 1e3
+                                       if hook.last_ready is not None else float("nan")],
+                      "dp_bytes_sent_job": int(sent.item()),
+                      "rank_dp": [opts.hook_rank] if opts.hook_rank and
+                      it >= opts.hook_start_iter else None}
+            if (it + 1) % cfg.eval.eval_interval == 0 or it + 1 == t.train_iters:
+                val_loss = evaluate()
+                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50))
+            history.append(record)
+            writer.write(record)
+            if is_logger and ((it + 1) % cfg.logging.log_interval == 0
+                              or it + 1 == t.train_iters):
+                print(f"iteration {it + 1:6d}/{t.train_iters} | loss {record['loss']:.4f} | "
+                      f"{iter_ms:8.1f} ms/iter | grad sync {record['grad_sync_ms'][0]:.1f} ms"
+                      f" | dp {record['dp_bytes_sent_job'] / 2**20:.2f} MiB"
+                      + (f" | val loss {val_loss:.4f}" if "val_loss" in record else ""),
+                      flush=True)
+        writer.close()
+        summary = summarize(history, val_loss, time.perf_counter() - start, cfg)
+        summary["engine"] = (f"torch DDP + powerSGD_hook r{opts.hook_rank}" if opts.hook_rank
+                             else "torch DDP all-reduce")
+        if is_logger and cfg.logging.metrics_file:
+            import json
+
+            with open(os.path.splitext(cfg.logging.metrics_file)[0] + ".summary.json",
+                      "w") as fh:
+                json.dump(summary, fh, indent=2)
+            print(f"summary | {summary['engine']} | val loss {val_loss:.4f} | "
+                  f"{summary['ms_per_iter']:.1f} ms/iter | grad sync "
+                  f"{summary['grad_sync_ms']:.1f} ms", flush=True)
+        return 0
+    finally:
+        shutdown_worker()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, add_help=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hook-rank", type=int, default=32,
+                   help="PowerSGD matrix_approximation_rank; 0: plain all-reduce hook")
+    p.add_argument("--hook-start-iter", type=int, default=2,
+                   help="iterations of plain all-reduce first (PyTorch's minimum: 2)")
+    opts, rest = p.parse_known_args(argv)
+    from megatron_edgc.config import ConfigError, parse_config
+    from megatron_edgc.training.launch import detect_launch_env, spawn_local
+
+    if opts.hook_rank < 0:
+        print("error: --hook-rank: must be >= 0", file=sys.stderr)
+        return 2
+    if opts.hook_rank > 0 and opts.hook_start_iter < 2:
+        print("error: --hook-start-iter: PyTorch's powerSGD_hook needs >= 2 with error "
+              "feedback", file=sys.stderr)
+        return 2
+    launch = detect_launch_env()
+    try:
+        cfg = parse_config(rest, world_size=launch.world_size if launch else None)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    par = cfg.parallel
+    if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1:
+        print("error: --pipeline-model-parallel-size/--tensor-model-parallel-size: torch DDP "
+              "is the pure data-parallel baseline, both must be 1", file=sys.stderr)
+        return 2
+    import megatron_edgc.training.loop  # noqa: F401  (heavy imports once, before fork)
+
+    if launch is not None:
+        return worker(cfg, opts, launch.rank, launch.world_size, launch.local_rank)
+    return spawn_local(lambda r, w, lr: worker(cfg, opts, r, w, lr), par.world_size,
+                       par.master_port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
