@@ -49,19 +49,24 @@ def write_section(name: str, title: str, command: str, body: str) -> None:
         fh.write(text)
 
 
-def run_pretrain(name: str, flags: list, out: str, iters: int, reuse: bool = False):
+def run_pretrain(name: str, flags: list, out: str, iters: int, reuse: bool = False,
+                 script: str = "pretrain_gpt2_edgc.py", launch=None):
     """One training run of the benchmark: ``runs/.../NAME.jsonl`` → (records, summary);
-    ``reuse`` takes an earlier run's files when they exist."""
+    ``reuse`` takes an earlier run's files when they exist. ``launch(cmd) -> exit code``
+    starts the ranks some other way (bench/netns.py: one per network namespace)."""
     metrics = os.path.join(out, f"{name}.jsonl")
     summary = os.path.splitext(metrics)[0] + ".summary.json"
     if reuse and os.path.exists(summary):
         print(f"=== {name}: reusing {metrics}", flush=True)
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--train-iters",
+        cmd = [sys.executable, os.path.join(ROOT, script), "--train-iters",
                str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file",
                metrics, *flags]
         print(f"=== {name}: {' '.join(flags) or 'dense'}", flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
+        if launch is None:
+            subprocess.run(cmd, cwd=ROOT, check=True)
+        elif launch(cmd) != 0:
+            raise RuntimeError(f"benchmark run {name} failed")
     with open(metrics) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     with open(summary) as fh:

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Measure the claim on emulated cluster links: dense vs static PowerSGD (r_max, r_min) vs
+EDGC vs PyTorch's ``powerSGD_hook``, side by side, at several link rates.
+
+    sudo .venv/bin/python bench/slow_links.py            # ~30 min on 2 cores
+    .venv/bin/python bench/slow_links.py --quick         # tiny only, 2 rates, fewer iterations
+
+For each config (the tiny default and ``configs/gpt2-small-cpu.yaml``) and each rate
+(100 Mbit, 300 Mbit, 1 Gbit, unshaped), the 4 ranks run in their own network namespaces
+behind tbf-shaped veth links (bench/netns.py), pure DP (TP1·PP1·DP4, so PyTorch DDP runs
+the same layout), same data, seed and iterations:
+
+* ``dense``: megatron-core's own DP all-reduce;
+* ``static r_max`` / ``static r_min``: PowerSGD at a fixed rank, compression forced
+  (``--edgc-bypass off``), from iteration 2 like the hook;
+* ``EDGC``: the entropy controller (windows scaled to the run) with the automatic bypass;
+* ``hook r_max``: PyTorch DDP + ``powerSGD_hook`` at r_max (bench/torch_ddp_powersgd.py).
+
+Per run (iterations after the first 3): DP gradient-sync latency (last backward done →
+gradients ready, ``grad_sync_ms``), ms/iter, DP bytes per iteration (whole job), final
+validation loss (all at the same iteration), compression math per iteration against the
+link-model saving, buckets the bypass sent dense, and for dense/EDGC the zero-shot
+last-word accuracy. Writes ``bench/results/slow_links/`` (metrics, ``results.json``,
+PNG plots) and the ``slow_links`` section of BENCHMARKS.md.
+
+Where namespaces can't be built (not root), every run goes over loopback and the shaped
+rates are *modelled*: measured loopback time + the alpha-beta all-reduce time of the
+measured bytes at the rate (bench/netns.py), labelled "modelled" in every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.netns import NetnsUnavailable, ShapedNetwork, alpha_beta_allreduce_s  # noqa: E402
+from bench.report import run_pretrain, write_section  # noqa: E402
+
+CONFIGS = {  # name -> (config file, r_max, r_min)
+    "tiny": ("configs/tiny-cpu.yaml", 32, 8),
+    "small": ("configs/gpt2-small-cpu.yaml", 64, 16),
+}
+RATES = ["100mbit", "300mbit", "1gbit", "none"]
+PURE_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+           "--data-parallel-size", "4"]
+RANKS = 4
+LAST_WORD = 200
+
+
+def modes(r_max: int, r_min: int, iters: int) -> dict:
+    """name -> (script, flags). EDGC's windows are scaled to the run: warm-up at most a
+    quarter of it, windows of 5 with 2 entropy samples each."""
+    static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "off"]
+    warm = max(4, iters // 4)
+    last_word = ["--last-word-examples", str(LAST_WORD)] if LAST_WORD else []
+    return {
+        "dense": ("pretrain_gpt2_edgc.py", ["--edgc-mode", "off", *last_word]),
+        f"static r{r_max}": ("pretrain_gpt2_edgc.py", static + ["--edgc-rank", str(r_max)]),
+        f"static r{r_min}": ("pretrain_gpt2_edgc.py", static + ["--edgc-rank", str(r_min)]),
+        "EDGC": ("pretrain_gpt2_edgc.py", [
+            "--edgc-mode", "edgc", "--edgc-bypass", "auto", "--edgc-rank-max", str(r_max),
+            "--edgc-rank-min", str(r_min), "--edgc-window", "5", "--edgc-iter-sample-rate",
+            "0.4", "--edgc-warmup-max-iters", str(warm), "--edgc-warmup-windows", "1",
+            *last_word]),
+        f"hook r{r_max}": ("bench/torch_ddp_powersgd.py", ["--hook-rank", str(r_max),
+                                                            "--hook-start-iter", "2"]),
+    }
+
+
+def steady_mean(records, key, skip=3):
+    rows = [r for r in records[skip:] if r.get(key) is not None]
+    if not rows:
+        return None
+    vals = [numpy.nanmax(r[key]) if isinstance(r[key], list) else r[key] for r in rows]
+    return float(numpy.mean(vals))
+
+
+def measure(records, summary) -> dict:
+    last = records[-1]
+    return {"sync_ms": steady_mean(records, "grad_sync_ms"),
+            "iter_ms": steady_mean(records, "iter_ms"),
+            "mib": steady_mean(records, "dp_bytes_sent_job") / 2**20,
+            "val_loss": summary["val_loss"], "val_ppl": summary["val_ppl"],
+            "compress_ms": steady_mean(records, "dp_compress_ms"),
+            "saving_ms": steady_mean(records, "dp_predicted_saving_ms"),
+            "bypassed": steady_mean(records, "dp_bypassed_buckets"),
+            "link_gbps": last.get("dp_link_gbps"),
+            "last_word_acc": summary.get("last_word_acc"),
+            "ranks": last.get("rank_dp"), "iterations": summary["iterations"]}
+
+
+def modelled(loopback: dict, rate: str) -> dict:
+    """Loopback figures + the alpha-beta time of the measured bytes at ``rate``."""
+    out = dict(loopback)
+    per_rank = loopback["mib"] * 2**20 / RANKS
+    extra_ms = alpha_beta_allreduce_s(per_rank, RANKS, rate) * 1e3
+    out["sync_ms"] = loopback["sync_ms"] + extra_ms
+    out["iter_ms"] = loopback["iter_ms"] + extra_ms
+    out["modelled"] = True
+    return out
+
+
+def run_all(configs, rates, iters, out_root, reuse) -> tuple[dict, bool]:
+    results: dict = {}
+    emulated = True
+    port = 29600
+    for cname in configs:
+        cfile, r_max, r_min = CONFIGS[cname]
+        base = ["--config", os.path.join(ROOT, cfile), *PURE_DP, "--eval-interval",
+                str(iters), "--eval-iters", "5", "--lr-warmup-iters", str(max(2, iters // 10))]
+        for rate in rates:
+            out = os.path.join(out_root, cname, rate)
+            try:
+                net_cm = ShapedNetwork(RANKS, None if rate == "none" else rate)
+                net = net_cm.__enter__() if emulated else None
+            except NetnsUnavailable as exc:
+                print(f"namespaces unavailable ({exc}): the shaped rates are modelled",
+                      flush=True)
+                emulated, net = False, None
+            try:
+                for mname, (script, flags) in modes(r_max, r_min, iters).items():
+                    key = f"{cname}|{rate}|{mname}"
+                    if net is None and rate != "none":
+                        continue  # modelled from the loopback run below
+                    port += 1
+
+                    def launch(cmd, net=net, port=port):
+                        codes = net.run(cmd, port=port, env={"OMP_NUM_THREADS": "1"},
+                                        timeout=3600, cwd=ROOT)
+                        return max(abs(c) for c in codes)
+
+                    records, summary = run_pretrain(
+                        mname.replace(" ", "_"), base + flags, out, iters, reuse=reuse,
+                        script=script, launch=launch if net is not None else None)
+                    results[key] = measure(records, summary)
+            finally:
+                if net is not None:
+                    net_cm.close()
+        if not emulated:
+            for rate in rates:
+                if rate == "none":
+                    continue
+                for mname in modes(r_max, r_min, iters):
+                    results[f"{cname}|{rate}|{mname}"] = modelled(
+                        results[f"{cname}|none|{mname}"], rate)
+    return results, emulated
+
+
+def fmt(v, spec=".1f"):
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def table(results, configs, rates, iters) -> str:
+    lines = []
+    for cname in configs:
+        _, r_max, r_min = CONFIGS[cname]
+        lines += [f"\n**{cname}** (`{CONFIGS[cname][0]}`, TP1·PP1·DP4, {iters} iterations; "
+                  f"r_max {r_max}, r_min {r_min})\n",
+                  "| link | mode | DP-sync ms | vs dense | ms/iter | vs dense | DP MiB/iter | "
+                  "val loss | Δ vs dense | compress ms (saving ms) | bypassed | last-word acc |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for rate in rates:
+            dense = results[f"{cname}|{rate}|dense"]
+            for mname in modes(r_max, r_min, iters):
+                r = results[f"{cname}|{rate}|{mname}"]
+                tag = " (modelled)" if r.get("modelled") else ""
+                link = ("unshaped" if rate == "none" else rate.replace("mbit", " Mbit")
+                        .replace("gbit", " Gbit")) + tag
+                d_sync = (r["sync_ms"] / dense["sync_ms"] - 1) * 100
+                d_iter = (r["iter_ms"] / dense["iter_ms"] - 1) * 100
+                d_loss = (r["val_loss"] / dense["val_loss"] - 1) * 100
+                comp = "—" if r["compress_ms"] is None else \
+                    f"{fmt(r['compress_ms'])} ({fmt(r['saving_ms'])})"
+                acc = "—" if r["last_word_acc"] is None else f"{100 * r['last_word_acc']:.1f} %"
+                lines.append(
+                    f"| {link} | {mname} | {fmt(r['sync_ms'])} | {d_sync:+.0f} % | "
+                    f"{fmt(r['iter_ms'], '.0f')} | {d_iter:+.0f} % | {fmt(r['mib'], '.2f')} | "
+                    f"{fmt(r['val_loss'], '.4f')} | {d_loss:+.2f} % | {comp} | "
+                    f"{fmt(r['bypassed'], '.1f')} | {acc} |")
+    return "\n".join(lines)
+
+
+def plots(results, configs, rates, iters, out_root) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for cname in configs:
+        _, r_max, r_min = CONFIGS[cname]
+        names = list(modes(r_max, r_min, iters))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        width = 0.8 / len(names)
+        for ax, key, label in ((axes[0], "sync_ms", "DP gradient sync (ms/iter)"),
+                               (axes[1], "iter_ms", "iteration time (ms)")):
+            for j, mname in enumerate(names):
+                vals = [results[f"{cname}|{rate}|{mname}"][key] for rate in rates]
+                ax.bar([i + j * width for i in range(len(rates))], vals, width, label=mname)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))])
+            ax.set_xticklabels(["unshaped" if r == "none" else r for r in rates])
+            ax.set_ylabel(label)
+            ax.set_yscale("log")
+            ax.grid(axis="y", alpha=0.3)
+        modelled_tag = any(results[f"{cname}|{r}|dense"].get("modelled") for r in rates)
+        fig.suptitle(f"{cname}: TP1·PP1·DP4, 4 ranks, link rate per rank"
+                     + (" (shaped rates modelled)" if modelled_tag else " (tbf-shaped veth)"))
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_root, f"{cname}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--rates", nargs="+", default=RATES)
+    p.add_argument("--train-iters", type=int, default=30)
+    p.add_argument("--quick", action="store_true", help="tiny, 100mbit + unshaped, 16 iters")
+    p.add_argument("--reuse", action="store_true", help="reuse finished runs' metrics")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "slow_links"))
+    args = p.parse_args()
+    if args.quick:
+        args.configs, args.rates, args.train_iters = ["tiny"], ["100mbit", "none"], 16
+    os.makedirs(args.out, exist_ok=True)
+    results, emulated = run_all(args.configs, args.rates, args.train_iters, args.out,
+                                args.reuse)
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump({"emulated": emulated, "iters": args.train_iters, "results": results}, fh,
+                  indent=1)
+    files = plots(results, args.configs, args.rates, args.train_iters, args.out)
+    how = ("each rank in its own network namespace, veth links shaped with tbf at the rate "
+           "(both directions), gloo over them" if emulated else
+           "**modelled**: namespaces unavailable, loopback runs + alpha-beta all-reduce time "
+           "of the measured bytes at each rate")
+    body = (f"Links: {how}. Columns: DP-sync = last backward done → gradients ready "
+            f"(slowest rank's stage, mean over iterations 4–{args.train_iters}); ms/iter same "
+            f"iterations; DP MiB/iter = whole job; val loss after {args.train_iters} "
+            f"iterations (same data); compress = PowerSGD math per iteration on the logging "
+            f"rank, (saving) = the bypass's link-model prediction of the communication time "
+            f"it saves; bypassed = buckets sent dense per iteration; last-word = zero-shot "
+            f"accuracy on {LAST_WORD} held-out sentence-final words.\n"
+            + table(results, args.configs, args.rates, args.train_iters) + "\n\n"
+            + "\n".join(f"![{os.path.basename(f)}]({os.path.relpath(f, ROOT)})" for f in files))
+    cmd = "sudo .venv/bin/python bench/slow_links.py" + (" --quick" if args.quick else "")
+    write_section("slow_links", "Emulated cluster links: dense vs PowerSGD vs EDGC vs "
+                  "PyTorch's hook", cmd, body)
+    print(table(results, args.configs, args.rates, args.train_iters))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
