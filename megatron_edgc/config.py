@@ -298,11 +298,15 @@ def _check_indexed_dataset(prefix: str):
 
 @dataclass
 class EvalConfig:
-    """Validation loss and perplexity."""
+    """Validation loss and perplexity; zero-shot last-word accuracy at the end."""
 
     eval_interval: int = knob(50, "evaluate every this many iterations (and at the end)", min=1)
     eval_iters: int = knob(10, "validation batches (of the global batch size) per evaluation",
                            min=1)
+    last_word_examples: int = knob(
+        0, "after the final evaluation, zero-shot last-word (LAMBADA-style) accuracy on this "
+           "many sentence-final words of held-out documents (test split, topped up from the "
+           "validation split); 0 = off", min=0)
 
 
 @dataclass

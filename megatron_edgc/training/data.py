@@ -165,6 +165,23 @@ def build_gpt_datasets(cfg, tokenizer, num_samples: tuple[int, int]):
     return datasets
 
 
+def split_document_texts(dataset, tokenizer) -> list[str]:
+    """The text of every document of one GPTDataset split, in document order.
+
+    The split's documents are the ones megatron-core's builder assigned to it
+    (``dataset.indices`` into the indexed dataset), so held-out text is exactly what
+    training never sees. ``<|endoftext|>`` is dropped; ``None`` (a split of weight 0)
+    gives no documents.
+    """
+    if dataset is None:
+        return []
+    texts = []
+    for doc in dataset.indices:
+        ids = numpy.asarray(dataset.dataset[int(doc)])
+        texts.append(tokenizer.detokenize(ids[ids != tokenizer.eod]))
+    return texts
+
+
 class MicroBatchStream:
     """Deterministic micro-batches for one DP rank, addressed by iteration.
 

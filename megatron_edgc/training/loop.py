@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
@@ -30,7 +31,9 @@ from megatron_edgc.patches.p2p import CompressingP2PCommunicator
 from megatron_edgc.patches.timing import StageTimer
 from megatron_edgc.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
-from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
+from megatron_edgc.training import zeroshot
+from megatron_edgc.training.data import (MicroBatchStream, build_gpt_datasets,
+                                         split_document_texts)
 from megatron_edgc.training.edgc import EdgcDriver
 from megatron_edgc.training.model import build_model_and_optimizer
 from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -109,8 +112,10 @@ class Trainer:
         t, e = cfg.training, cfg.eval
         gbs = t.global_batch_size
         evals = t.train_iters // e.eval_interval + 1
-        train_ds, valid_ds, _ = build_gpt_datasets(
+        train_ds, valid_ds, test_ds = build_gpt_datasets(
             cfg, self.tokenizer, (t.train_iters * gbs, e.eval_iters * gbs * evals))
+        self._held_out = {"test": test_ds, "validation": valid_ds}  # last-word examples
+        self._last_word_stream = None
         nmb = cfg.num_microbatches
         self.train_stream = MicroBatchStream(train_ds, t.micro_batch_size, nmb, self.dp_rank,
                                              p.data_parallel_size)
@@ -163,7 +168,9 @@ class Trainer:
 
         return output, loss_func
 
-    def _run_schedule(self, stream: MicroBatchStream, index: int, forward_only: bool) -> list:
+    def _run_schedule(self, stream, index: int, forward_only: bool,
+                      forward_step_func=None) -> list:
+        """One pass of ``stream.micro_batches(index)`` through megatron-core's schedule."""
         n_chunks = len(self.bundle.chunks)
         iters = [iter(stream.micro_batches(index)) for _ in range(n_chunks)]
         t, m = self.cfg.training, self.cfg.model
@@ -174,7 +181,7 @@ class Trainer:
             extra = dict(p2p_communicator=self.p2p,
                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
         return self.forward_backward(
-            forward_step_func=self._forward_step,
+            forward_step_func=forward_step_func or self._forward_step,
             data_iterator=iters if n_chunks > 1 else iters[0],
             model=self.bundle.chunks if n_chunks > 1 else self.bundle.chunks[0],
             num_microbatches=self.cfg.num_microbatches,
@@ -291,6 +298,76 @@ class Trainer:
             chunk.train()
         return float(numpy.mean(values))
 
+    # ------------------------------------------------------------------ last word
+
+    def _last_word_examples(self, n: int) -> list:
+        """``n`` examples from the test split's documents, topped up from the validation
+        split's when the test split is too small (neither is ever trained on)."""
+        seq = self.cfg.model.seq_length
+        test = split_document_texts(self._held_out["test"], self.tokenizer)
+        examples = zeroshot.build_last_word_examples(self.tokenizer, test, n, seq)
+        if len(examples) < n:
+            valid = split_document_texts(self._held_out["validation"], self.tokenizer)
+            more = zeroshot.build_last_word_examples(self.tokenizer, valid, n - len(examples),
+                                                     seq)
+            log0(f"last-word eval: the test split ({len(test)} documents) gives "
+                 f"{len(examples)} of {n} examples; taking {len(more)} from the validation "
+                 f"split ({len(valid)} documents)")
+            examples += more
+        if len(examples) < n:
+            log0(f"last-word eval: the held-out documents give only {len(examples)} examples "
+                 f"(--last-word-examples {n})")
+        return examples
+
+    def _last_word_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        output = model(tokens, position_ids, None)  # no labels: logits [b, s, vocab / TP]
+
+        def score_func(logits):
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            s = zeroshot.score(logits, batch["target_pos"], batch["target_ids"],
+                               vocab_size=self.tokenizer.vocab_size,
+                               gather=gather_from_tensor_model_parallel_region if tp > 1
+                               else None)
+            counts = torch.stack([s.correct.sum().double(), s.valid.sum().double(),
+                                  s.nll.double().sum()])
+            return torch.zeros((), device=logits.device), {"last_word": counts}
+
+        return output, score_func
+
+    @torch.no_grad()
+    def last_word_eval(self) -> dict:
+        """Zero-shot last-word accuracy on held-out passages (``--last-word-examples``),
+        forward-only through megatron-core's schedule; DP ranks split the examples.
+
+        Returns ``last_word_acc``, ``last_word_n`` and ``last_word_nll`` (mean -log p of
+        the word, nats) on the last pipeline stage; ``{}`` on the others.
+        """
+        t = self.cfg.training
+        if self._last_word_stream is None:  # built once, identically on every rank
+            self._last_word_stream = zeroshot.LastWordStream(
+                self._last_word_examples(self.cfg.eval.last_word_examples),
+                self.cfg.model.seq_length, self.tokenizer.eod, t.micro_batch_size,
+                self.cfg.num_microbatches, self.dp_rank, self.cfg.parallel.data_parallel_size)
+        stream = self._last_word_stream
+        for chunk in self.bundle.chunks:
+            chunk.eval()
+        totals = torch.zeros(3, dtype=torch.float64)
+        for call in range(stream.num_calls):
+            for out in self._run_schedule(stream, call, True, self._last_word_step):
+                totals += out["last_word"].cpu()
+        for chunk in self.bundle.chunks:
+            chunk.train()
+        if not self.is_last_stage:
+            return {}
+        totals = totals.to(self.device)
+        dist.all_reduce(totals, group=self.dp_group)
+        correct, n, nll = totals.tolist()
+        return {"last_word_acc": correct / n if n else None, "last_word_n": int(n),
+                "last_word_nll": nll / n if n else None}
+
     def _sync(self) -> None:
         if self.on_gpu:
             torch.cuda.synchronize()
@@ -327,6 +404,8 @@ class Trainer:
                     val_loss = self.evaluate()
                     record["val_loss"] = val_loss
                     record["val_ppl"] = math.exp(min(val_loss, 50.0))
+                if self.iteration == t.train_iters and cfg.eval.last_word_examples:
+                    record.update(self.last_word_eval())
                 history.append(record)
                 writer.write(record)
                 if self.is_logger and (self.iteration % lg.log_interval == 0
@@ -334,6 +413,8 @@ class Trainer:
                     line = format_progress(self.iteration, t.train_iters, record)
                     if "val_loss" in record:
                         line += f" | val loss {val_loss:.4f} | val ppl {record['val_ppl']:.2f}"
+                    if record.get("last_word_n") is not None:
+                        line += " | " + format_last_word(record)
                     print(line, flush=True)
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                     ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
@@ -375,6 +456,9 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
         # the slowest stage's "last backward done → gradients ready", per iteration
         "grad_sync_ms": float(numpy.mean([numpy.nanmax(r["grad_sync_ms"]) for r in steady]))
         if steady and "grad_sync_ms" in steady[0] else None,
+        "last_word_acc": history[-1].get("last_word_acc") if history else None,
+        "last_word_n": history[-1].get("last_word_n") if history else None,
+        "last_word_nll": history[-1].get("last_word_nll") if history else None,
         "wall_s": wall_s,
         "layout": f"TP{cfg.parallel.tensor_model_parallel_size}·"
                   f"PP{cfg.parallel.pipeline_model_parallel_size}·"
@@ -382,14 +466,22 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
     }
 
 
+def format_last_word(s: dict) -> str:
+    acc = s.get("last_word_acc")
+    return f"last-word acc {'n/a' if acc is None else format(100 * acc, '.1f')} % " \
+           f"(n={s.get('last_word_n')})"
+
+
 def format_summary(s: dict) -> str:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
 
+    last_word = [format_last_word(s)] if s.get("last_word_n") is not None else []
     return ("summary | " + " | ".join([
         f"{s['layout']}", f"{s['iterations']} iterations",
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['final_loss'], '.4f')}",
         f"val loss {f(s['val_loss'], '.4f')}", f"val ppl {f(s['val_ppl'], '.2f')}",
+        *last_word,
         f"{f(s['ms_per_iter'], '.1f')} ms/iter", f"{f(s['tokens_per_s'], '.0f')} tok/s",
         f"grad sync {f(s.get('grad_sync_ms'), '.1f')} ms",
         f"wall {s['wall_s']:.1f} s"]))
