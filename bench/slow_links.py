@@ -188,6 +188,35 @@ def table(results, configs, rates, iters) -> str:
     return "\n".join(lines)
 
 
+def targets(results, configs, rates, iters) -> str:
+    """Issue 7's targets, computed from the table (met or not, never tuned)."""
+    lines = ["| config | link | dense sync share | EDGC sync cut (≥ 50 %) | EDGC iteration cut "
+             "(≥ 15 %) | val loss vs dense (≤ 1 %) | static r_max vs hook r_max ms/iter | "
+             "EDGC vs hook ms/iter |", "|---|---|---|---|---|---|---|---|"]
+    for cname in configs:
+        _, r_max, r_min = CONFIGS[cname]
+        for rate in rates:
+            get = lambda m: results[f"{cname}|{rate}|{m}"]  # noqa: E731
+            dense, edgc = get("dense"), get("EDGC")
+            hook, static = get(f"hook r{r_max}"), get(f"static r{r_max}")
+            share = dense["sync_ms"] / dense["iter_ms"]
+            cut_sync = 1 - edgc["sync_ms"] / dense["sync_ms"]
+            cut_iter = 1 - edgc["iter_ms"] / dense["iter_ms"]
+            d_loss = edgc["val_loss"] / dense["val_loss"] - 1
+            mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
+            applies = share >= 0.35
+            link = "unshaped" if rate == "none" else rate
+            lines.append(
+                f"| {cname} | {link} | {100 * share:.0f} %{'' if applies else ' (n/a)'} | "
+                f"{100 * cut_sync:.0f} % {mark(cut_sync >= 0.5) if applies else ''} | "
+                f"{100 * cut_iter:.0f} % {mark(cut_iter >= 0.15) if applies else ''} | "
+                f"{100 * d_loss:+.2f} % {mark(abs(d_loss) <= 0.01)} | "
+                f"{static['iter_ms'] / hook['iter_ms']:.2f}x "
+                f"{mark(static['iter_ms'] < hook['iter_ms'])} | "
+                f"{edgc['iter_ms'] / hook['iter_ms']:.2f}x {mark(edgc['iter_ms'] < hook['iter_ms'])} |")
+    return "\n".join(lines)
+
+
 def plots(results, configs, rates, iters, out_root) -> list:
     import matplotlib
 
@@ -253,6 +282,9 @@ def main() -> int:
             f"it saves; bypassed = buckets sent dense per iteration; last-word = zero-shot "
             f"accuracy on {LAST_WORD} held-out sentence-final words.\n"
             + table(results, args.configs, args.rates, args.train_iters) + "\n\n"
+            + "Targets (issue 7; the sync/iteration targets apply where dense DP sync is ≥ "
+              "35 % of the iteration):\n\n"
+            + targets(results, args.configs, args.rates, args.train_iters) + "\n\n"
             + "\n".join(f"![{os.path.basename(f)}]({os.path.relpath(f, ROOT)})" for f in files))
     cmd = "sudo .venv/bin/python bench/slow_links.py" + (" --quick" if args.quick else "")
     write_section("slow_links", "Emulated cluster links: dense vs PowerSGD vs EDGC vs "
