@@ -83,15 +83,25 @@ def steady_mean(records, key, skip=3):
     return float(numpy.mean(vals))
 
 
-def measure(records, summary) -> dict:
+def steady_start(records) -> int:
+    """First steady iteration index: after EDGC's warm-up and the iteration that measured
+    the link (the bypass's one-off calibration), the same for every mode of a link."""
+    warm = next((r["warmup_end_iter"] for r in records if "warmup_end_iter" in r), None)
+    return 3 if warm is None else warm + 2
+
+
+def measure(records, summary, skip: int) -> dict:
     last = records[-1]
-    return {"sync_ms": steady_mean(records, "grad_sync_ms"),
-            "iter_ms": steady_mean(records, "iter_ms"),
-            "mib": steady_mean(records, "dp_bytes_sent_job") / 2**20,
+    return {"sync_ms": steady_mean(records, "grad_sync_ms", skip),
+            "iter_ms": steady_mean(records, "iter_ms", skip),
+            "iter_ms_all": steady_mean(records, "iter_ms"),
+            "steady_from": skip + 1,
+            "mib": steady_mean(records, "dp_bytes_sent_job", skip) / 2**20,
             "val_loss": summary["val_loss"], "val_ppl": summary["val_ppl"],
-            "compress_ms": steady_mean(records, "dp_compress_ms"),
-            "saving_ms": steady_mean(records, "dp_predicted_saving_ms"),
-            "bypassed": steady_mean(records, "dp_bypassed_buckets"),
+            "compress_ms": steady_mean(records, "dp_compress_ms", skip),
+            "saving_ms": steady_mean(records, "dp_predicted_saving_ms", skip),
+            "bypassed": steady_mean(records, "dp_bypassed_buckets", skip),
+            "last_word_nll": summary.get("last_word_nll"),
             "link_gbps": last.get("dp_link_gbps"),
             "last_word_acc": summary.get("last_word_acc"),
             "ranks": last.get("rank_dp"), "iterations": summary["iterations"]}
@@ -104,6 +114,7 @@ def modelled(loopback: dict, rate: str) -> dict:
     extra_ms = alpha_beta_allreduce_s(per_rank, RANKS, rate) * 1e3
     out["sync_ms"] = loopback["sync_ms"] + extra_ms
     out["iter_ms"] = loopback["iter_ms"] + extra_ms
+    out["iter_ms_all"] = loopback["iter_ms_all"] + extra_ms
     out["modelled"] = True
     return out
 
@@ -125,6 +136,7 @@ def run_all(configs, rates, iters, out_root, reuse) -> tuple[dict, bool]:
                 print(f"namespaces unavailable ({exc}): the shaped rates are modelled",
                       flush=True)
                 emulated, net = False, None
+            runs = {}
             try:
                 for mname, (script, flags) in modes(r_max, r_min, iters).items():
                     key = f"{cname}|{rate}|{mname}"
@@ -140,10 +152,13 @@ def run_all(configs, rates, iters, out_root, reuse) -> tuple[dict, bool]:
                     records, summary = run_pretrain(
                         mname.replace(" ", "_"), base + flags, out, iters, reuse=reuse,
                         script=script, launch=launch if net is not None else None)
-                    results[key] = measure(records, summary)
+                    runs[key] = (records, summary)
             finally:
                 if net is not None:
                     net_cm.close()
+            if runs:
+                skip = steady_start(runs[f"{cname}|{rate}|EDGC"][0])
+                results.update({k: measure(*v, skip) for k, v in runs.items()})
         if not emulated:
             for rate in rates:
                 if rate == "none":
@@ -164,9 +179,10 @@ def table(results, configs, rates, iters) -> str:
         _, r_max, r_min = CONFIGS[cname]
         lines += [f"\n**{cname}** (`{CONFIGS[cname][0]}`, TP1·PP1·DP4, {iters} iterations; "
                   f"r_max {r_max}, r_min {r_min})\n",
-                  "| link | mode | DP-sync ms | vs dense | ms/iter | vs dense | DP MiB/iter | "
-                  "val loss | Δ vs dense | compress ms (saving ms) | bypassed | last-word acc |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| link | mode | DP-sync ms | vs dense | ms/iter | vs dense | ms/iter whole run "
+                  "| DP MiB/iter | val loss | Δ vs dense | compress ms (saving ms) | bypassed | "
+                  "last word: acc, NLL |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for rate in rates:
             dense = results[f"{cname}|{rate}|dense"]
             for mname in modes(r_max, r_min, iters):
@@ -179,10 +195,12 @@ def table(results, configs, rates, iters) -> str:
                 d_loss = (r["val_loss"] / dense["val_loss"] - 1) * 100
                 comp = "—" if r["compress_ms"] is None else \
                     f"{fmt(r['compress_ms'])} ({fmt(r['saving_ms'])})"
-                acc = "—" if r["last_word_acc"] is None else f"{100 * r['last_word_acc']:.1f} %"
+                acc = "—" if r["last_word_acc"] is None else \
+                    f"{100 * r['last_word_acc']:.1f} %, {r['last_word_nll']:.2f}"
                 lines.append(
                     f"| {link} | {mname} | {fmt(r['sync_ms'])} | {d_sync:+.0f} % | "
-                    f"{fmt(r['iter_ms'], '.0f')} | {d_iter:+.0f} % | {fmt(r['mib'], '.2f')} | "
+                    f"{fmt(r['iter_ms'], '.0f')} | {d_iter:+.0f} % | "
+                    f"{fmt(r.get('iter_ms_all'), '.0f')} | {fmt(r['mib'], '.2f')} | "
                     f"{fmt(r['val_loss'], '.4f')} | {d_loss:+.2f} % | {comp} | "
                     f"{fmt(r['bypassed'], '.1f')} | {acc} |")
     return "\n".join(lines)
@@ -275,8 +293,11 @@ def main() -> int:
            "**modelled**: namespaces unavailable, loopback runs + alpha-beta all-reduce time "
            "of the measured bytes at each rate")
     body = (f"Links: {how}. Columns: DP-sync = last backward done → gradients ready "
-            f"(slowest rank's stage, mean over iterations 4–{args.train_iters}); ms/iter same "
-            f"iterations; DP MiB/iter = whole job; val loss after {args.train_iters} "
+            f"(slowest rank's stage) and ms/iter, means over the steady iterations (after "
+            f"EDGC's dense warm-up and the iteration where its bypass measured the link, the "
+            f"same range for every mode of a link); ms/iter whole run = iterations 4–"
+            f"{args.train_iters}, warm-up and calibration included; DP MiB/iter = whole job, "
+            f"steady iterations; val loss after {args.train_iters} "
             f"iterations (same data); compress = PowerSGD math per iteration on the logging "
             f"rank, (saving) = the bypass's link-model prediction of the communication time "
             f"it saves; bypassed = buckets sent dense per iteration; last-word = zero-shot "

@@ -11,12 +11,13 @@ def row(sync, it, mib, loss):
 
 
 def test_modelled_adds_the_alpha_beta_time_of_the_measured_bytes():
-    loop = row(30.0, 300.0, 28.0, 7.0)
+    loop = dict(row(30.0, 300.0, 28.0, 7.0), iter_ms_all=310.0)
     m = modelled(loop, "100mbit")
     extra = alpha_beta_allreduce_s(28.0 * 2**20 / RANKS, RANKS, "100mbit") * 1e3
     assert extra == pytest.approx(2 * 3 * 0.25 + 1.5 * 7 * 2**20 / (0.94 * 100e6 / 8) * 1e3)
     assert m["sync_ms"] == pytest.approx(30.0 + extra) and m["iter_ms"] == pytest.approx(
         300.0 + extra)
+    assert m["iter_ms_all"] == pytest.approx(310.0 + extra)
     assert m["modelled"] and "modelled" not in loop
 
 
