@@ -193,8 +193,8 @@ def table(results, configs, rates, iters) -> str:
                 d_sync = (r["sync_ms"] / dense["sync_ms"] - 1) * 100
                 d_iter = (r["iter_ms"] / dense["iter_ms"] - 1) * 100
                 d_loss = (r["val_loss"] / dense["val_loss"] - 1) * 100
-                comp = "—" if r["compress_ms"] is None else \
-                    f"{fmt(r['compress_ms'])} ({fmt(r['saving_ms'])})"
+                comp = "—" if r["compress_ms"] is None else fmt(r["compress_ms"]) + (
+                    f" ({fmt(r['saving_ms'])})" if r["saving_ms"] else "")
                 acc = "—" if r["last_word_acc"] is None else \
                     f"{100 * r['last_word_acc']:.1f} %, {r['last_word_nll']:.2f}"
                 lines.append(

@@ -115,7 +115,7 @@ class DPGradientCompression:
         self.bucket_groups = []
         self.bypass = bypass
         self.link = link
-        self._costs: dict[int, dict[str, float]] = {}  # rank -> bucket -> seconds (DP max)
+        self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
         self.seed = seed
         for ci, chunk in enumerate(chunks):
@@ -152,9 +152,9 @@ class DPGradientCompression:
             self.link = self._measure_link()
             logger.info("bypass: DP all-reduce %.3g Gbit/s, alpha %.3g ms",
                         self.link.gbit_per_s, self.link.alpha_s * 1e3)
-        if self.rank not in self._costs:
-            self._costs[self.rank] = self._measure_costs()
-        costs = self._costs[self.rank]
+        if self._cost_model is None:
+            self._cost_model = self._measure_cost_model()
+        costs = {key: max(0.0, a + b * self.rank) for key, (a, b) in self._cost_model.items()}
         dense = set()
         for key, comp in self.compressors.items():
             first, second = comp.collective_numels()
@@ -181,12 +181,11 @@ class DPGradientCompression:
         return time.perf_counter() - t0
 
     def _measure_link(self) -> LinkModel:
-        """α and β of an all-reduce on the DP group, from a small and a bucket-sized buffer
-        (capped at 4 MiB): mean of three back-to-back all-reduces (which absorbs the
-        replicas' skew after the barrier), best of two, slowest replica."""
+        """α and β of an all-reduce on the DP group, from 1 KiB and 4 MiB buffers (a
+        smaller large size drowns β in α's noise): mean of three back-to-back all-reduces
+        (which absorbs the replicas' skew after the barrier), best of two, slowest replica."""
         device = next(iter(self.compressors.values())).device
-        largest = max(self._bucket_bytes.values()) // FLOAT_BYTES
-        sizes = [256, max(512, min(largest, 1 << 20))]
+        sizes = [256, 1 << 20]
         times = []
 
         def three(buf):
@@ -205,29 +204,38 @@ class DPGradientCompression:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
         return LinkModel.fit([n * FLOAT_BYTES for n in sizes], worst.tolist())
 
-    def _measure_costs(self) -> dict:
-        """Compress + decompress time of every bucket at the current rank, on random
-        gradients with a scratch compressor (the real state is untouched); slowest replica."""
+    def _measure_cost_model(self) -> dict:
+        """Compress + decompress time of every bucket as ``a + b·rank``: timed at the current
+        rank and at half of it (once; EDGC's later ranks are predicted, not re-timed), on
+        random gradients with a scratch compressor (the real state is untouched); the
+        slowest replica's times."""
         keys = sorted(self.compressors)
-        costs = []
-        for key in keys:
-            comp = self.compressors[key]
-            scratch = BucketCompressor(comp.entries, self.rank,
-                                       min_compression_rate=comp.min_compression_rate,
-                                       seed=self.seed, device=comp.device)
-            grads = [torch.randn(n, m, device=comp.device) for _, (n, m) in comp.entries]
+        r1 = self.rank
+        r2 = r1 // 2 if r1 > 1 else 2
+        times = []
+        for rank in (r1, r2):
+            for key in keys:
+                comp = self.compressors[key]
+                scratch = BucketCompressor(comp.entries, rank,
+                                           min_compression_rate=comp.min_compression_rate,
+                                           seed=self.seed, device=comp.device)
+                grads = [torch.randn(n, m, device=comp.device) for _, (n, m) in comp.entries]
 
-            def once():
-                buf, step = scratch.start(grads)
-                q = scratch.middle(step, buf)
-                scratch.finish(step, q)
+                def once():
+                    buf, step = scratch.start(grads)
+                    scratch.finish(step, scratch.middle(step, buf))
 
-            once()  # allocates Q and the residual
-            costs.append(min(self._timed(once), self._timed(once)))
-        worst = torch.tensor(costs, dtype=torch.float64,
+                once()  # allocates Q and the residual
+                times.append(min(self._timed(once), self._timed(once)))
+        worst = torch.tensor(times, dtype=torch.float64,
                              device=next(iter(self.compressors.values())).device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return dict(zip(keys, worst.tolist()))
+        c1, c2 = worst[:len(keys)].tolist(), worst[len(keys):].tolist()
+        model = {}
+        for key, t1, t2 in zip(keys, c1, c2):
+            b = max(0.0, (t1 - t2) / (r1 - r2))
+            model[key] = (t1 - b * r1, b)
+        return model
 
     def set_rank(self, rank: Optional[int]) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept)."""
