@@ -81,6 +81,9 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-warmup-eps", "0"], "--edgc-warmup-eps", "(0.0, inf]", None),
     (["--edgc-warmup-windows", "0"], "--edgc-warmup-windows", "[1, inf]", None),
     (["--edgc-entropy", "kde"], "--edgc-entropy", "must be one of gaussian, histogram", None),
+    (["--edgc-bypass", "sometimes"], "--edgc-bypass", "must be one of auto, off", None),
+    (["--edgc-link-gbps", "0"], "--edgc-link-gbps", "(0.0, inf]", None),
+    (["--last-word-examples", "-1"], "--last-word-examples", "[0, inf]", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)
