@@ -341,12 +341,20 @@ class CheckpointConfig:
     save: Optional[str] = knob(None, "checkpoint directory to save into")
     save_interval: Optional[int] = knob(
         None, "save every this many iterations (and at the end); needs --save", min=1)
-    load: Optional[str] = knob(None, "checkpoint directory to resume from (latest iteration)")
+    load: Optional[str] = knob(None, "checkpoint directory to resume from (latest iteration); "
+                                     "the same directory as --save resumes when it holds a "
+                                     "checkpoint and starts fresh otherwise (restarts)")
+
+    @property
+    def auto_resume(self) -> bool:
+        """``--load`` = ``--save``: a (re)started job continues from its own checkpoints."""
+        return (self.load is not None and self.save is not None
+                and os.path.abspath(self.load) == os.path.abspath(self.save))
 
     def resolve(self) -> None:
         if self.save_interval is not None and self.save is None:
             raise ConfigError("--save-interval", "needs --save")
-        if self.load is not None and not os.path.isdir(self.load):
+        if self.load is not None and not os.path.isdir(self.load) and not self.auto_resume:
             raise ConfigError("--load", f"{self.load} is not a directory")
 
 

@@ -15,7 +15,10 @@ class MetricsWriter:
     """Writes records on the logging rank; a no-op elsewhere."""
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 enabled: bool, append: bool = False):
+                 enabled: bool, resume_from: int = 0):
+        """``resume_from`` > 0: continue an earlier run's file after that iteration; its
+        records beyond it (a crashed attempt's) are dropped, so every iteration appears
+        once."""
         self.enabled = enabled
         self._fh = None
         self._tb = None
@@ -23,7 +26,20 @@ class MetricsWriter:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            self._fh = open(metrics_file, "a" if append else "w", buffering=1)
+            kept = []
+            if resume_from > 0 and os.path.exists(metrics_file):
+                with open(metrics_file) as fh:
+                    for line in fh:
+                        try:
+                            if json.loads(line)["iteration"] <= resume_from:
+                                kept.append(line if line.endswith("\n") else line + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a torn last line of a killed writer
+            tmp = metrics_file + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, metrics_file)
+            self._fh = open(metrics_file, "a", buffering=1)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -63,3 +63,41 @@ def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_p
         assert res_recs[it].get("rank_pp") == full_recs[it].get("rank_pp")
     assert open(tmp_path / "ck" / "latest_checkpointed_iteration.txt").read() == "10"
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "ck"))
+
+
+def test_resume_with_another_dp_size_resets_per_replica_state(small_model_argv, tmp_path):
+    """Saved on TP1·PP2·DP2, resumed on TP1·PP2·DP1 (2 processes): the model, optimizer,
+    schedule and the rank controller come back, the error-feedback state starts fresh with
+    a warning, and training goes on where the DP2 run would have been."""
+    common = small_model_argv + ["--pipeline-model-parallel-size", "2", "--train-iters", "10",
+                                 "--eval-interval", "5", "--edgc-mode", "edgc",
+                                 "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0",
+                                 "--edgc-rank-max", "8", "--edgc-warmup-max-iters", "4",
+                                 "--edgc-dac", "off"]
+    full = str(tmp_path / "full.jsonl")
+    pretrain(common + ["--data-parallel-size", "2", "--metrics-file", full])
+    pretrain(common + ["--data-parallel-size", "2", "--save", str(tmp_path / "ck"),
+                       "--save-interval", "6", "--exit-interval", "6"])
+    resumed = str(tmp_path / "resumed.jsonl")
+    out = pretrain(common + ["--data-parallel-size", "1", "--metrics-file", resumed,
+                             "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck2")])
+    warning = [l for l in out.stdout.splitlines() if l.startswith("warning: resuming")]
+    assert len(warning) == 1 and "saved with DP 2 on DP 1" in warning[0], out.stdout[-2000:]
+    assert "per-replica state reset (dp_compression)" in warning[0]
+    full_recs = {r["iteration"]: r for r in read_jsonl(full)}
+    res_recs = {r["iteration"]: r for r in read_jsonl(resumed)}
+    assert sorted(res_recs) == list(range(7, 11))
+    # the controller's table in force at iteration 7 is the saved one (DP-invariant state)
+    assert res_recs[7]["rank_dp"] == full_recs[7]["rank_dp"]
+    assert res_recs[7]["lr"] == full_recs[7]["lr"]
+    # same global batches, same weights: the first resumed loss is the DP2 run's up to the
+    # order of the DP sum (fresh error feedback only acts from the next update)
+    assert res_recs[7]["loss"] == pytest.approx(full_recs[7]["loss"], rel=1e-4)
+    for it in range(8, 11):  # and it trains on close to the uninterrupted run
+        assert res_recs[it]["loss"] == pytest.approx(full_recs[it]["loss"], rel=0.02), it
+    # a TP/PP change is still refused, naming --load
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+                          *small_model_argv, "--pipeline-model-parallel-size", "1",
+                          "--data-parallel-size", "4", "--load", str(tmp_path / "ck")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "error: --load:" in bad.stderr, bad.stderr[-2000:]

@@ -15,10 +15,18 @@ never leaves a loadable half-checkpoint. The data position is the iteration itse
 
 Extensions (the gradient compressor, the rank controller) register themselves with
 :func:`register_rank_state` and are saved and restored with every rank's state.
+
+Resuming with a different DP size (same TP, PP, virtual stages, no distributed optimizer):
+model, optimizer and schedule come from the (TP, PP) file as always; the per-rank state of
+each stage is taken from the old DP rank 0 of that stage, where extensions that declared
+themselves DP-invariant (the rank controller: identical on every replica) are restored
+and the others (error-feedback residuals, warm starts: one per replica, nothing to map
+them to) start fresh, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -31,6 +39,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 LATEST = "latest_checkpointed_iteration.txt"
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -104,14 +114,23 @@ def set_rng_state(state: dict) -> None:
 
 # name -> (state_dict fn, load_state_dict fn); per-rank state of extensions.
 _RANK_STATE: dict[str, tuple[Callable[[], dict], Callable[[dict], None]]] = {}
+_DP_INVARIANT: set = set()  # extensions whose state is the same on every DP replica
 
 
-def register_rank_state(name: str, save: Callable[[], dict], load: Callable[[dict], None]):
+def register_rank_state(name: str, save: Callable[[], dict], load: Callable[[dict], None],
+                        dp_invariant: bool = False):
     _RANK_STATE[name] = (save, load)
+    (_DP_INVARIANT.add if dp_invariant else _DP_INVARIANT.discard)(name)
 
 
 def unregister_rank_state(name: str) -> None:
     _RANK_STATE.pop(name, None)
+    _DP_INVARIANT.discard(name)
+
+
+def _global_rank(tp: int, pp: int, dp: int, layout: dict) -> int:
+    """megatron-core 0.16.1's default rank order "tp-cp-ep-dp-pp" (cp = ep = 1)."""
+    return tp + layout["tp"] * (dp + layout["dp"] * pp)
 
 
 def layout_of(cfg) -> dict:
@@ -140,6 +159,9 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
                     "layout": layout_of(cfg),
                     "config": cfg.to_dict()}, model_file)
     torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
+                "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
+                           "pp": parallel_state.get_pipeline_model_parallel_rank(),
+                           "dp": parallel_state.get_data_parallel_rank()},
                 "distributed_optimizer": distributed_optimizer_shard_state(bundle.optimizer)
                 if distributed_optimizer else None,
                 "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
@@ -165,17 +187,40 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
         raise CheckpointError(f"--load: no {LATEST} in {root}")
     path = iteration_dir(root, iteration)
     model_file, rank_file = _layout_names(path)
-    for f in (model_file, rank_file):
-        if not os.path.isfile(f):
-            raise CheckpointError(f"--load: {f} is missing (saved with another layout?)")
+    if not os.path.isfile(model_file):
+        raise CheckpointError(f"--load: {model_file} is missing (saved with another TP/PP "
+                              f"layout?)")
     try:
         state = torch.load(model_file, map_location="cpu", weights_only=False)
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"--load: {model_file} cannot be read: {exc}") from exc
     saved, ours = state.get("layout"), layout_of(cfg)
-    if saved != ours:
-        raise CheckpointError(f"--load: checkpoint layout {saved} differs from this run's {ours}")
+    dp_changed = saved is not None and saved != ours and \
+        {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in ours.items()
+                                                         if k != "dp"}
+    if saved != ours and not dp_changed:
+        raise CheckpointError(f"--load: checkpoint layout {saved} differs from this run's {ours}"
+                              f" (only the DP size may change on resume)")
+    if dp_changed and cfg.parallel.use_distributed_optimizer:
+        raise CheckpointError(f"--load: saved with DP {saved['dp']}, resuming with DP "
+                              f"{ours['dp']}: distributed-optimizer shards cannot be remapped")
+    if dp_changed:
+        rank_file = os.path.join(path, "rank_state_%05d.pt" % _global_rank(
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(), 0, saved))
+    if not os.path.isfile(rank_file):
+        raise CheckpointError(f"--load: {rank_file} is missing (saved with another layout?)")
+    try:
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"--load: {rank_file} cannot be read: {exc}") from exc
+    coords = rank_state.get("coords")
+    if dp_changed and coords is not None and (
+            coords["tp"], coords["pp"], coords["dp"]) != (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(), 0):
+        raise CheckpointError(f"--load: {rank_file} holds rank {coords}, not this stage's "
+                              f"DP rank 0 (a rank order other than megatron-core's default?)")
     for chunk, sd in zip(bundle.chunks, state["model"]):
         chunk.load_state_dict(sd, strict=True)
     if cfg.parallel.use_distributed_optimizer:
@@ -185,8 +230,19 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
         bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(rank_state["rng"])
+    reset = []
     for name, (_, load) in _RANK_STATE.items():
-        if name in rank_state["extensions"]:
-            load(rank_state["extensions"][name])
+        if name not in rank_state["extensions"]:
+            continue
+        if dp_changed and name not in _DP_INVARIANT:
+            reset.append(name)
+            continue
+        load(rank_state["extensions"][name])
+    if dp_changed and dist.get_rank() == 0:
+        message = (f"warning: resuming iteration {iteration} saved with DP {saved['dp']} on DP "
+                   f"{ours['dp']}: per-replica state reset ({', '.join(reset) or 'none'}); "
+                   f"model, optimizer, schedule and DP-invariant state restored")
+        logger.warning(message)
+        print(message, flush=True)
     dist.barrier()
     return iteration

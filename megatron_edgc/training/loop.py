@@ -104,7 +104,8 @@ class Trainer:
             self.edgc = EdgcDriver(cfg, self.bundle.chunks, self.dp_compression,
                                    stage=self.stage, num_stages=pp, device=self.device,
                                    p2p=self.p2p, activation_shape=self.activation_shape)
-            ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict)
+            ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
+                                   dp_invariant=True)
         self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
                                    for c in self.bundle.chunks for g in c.bucket_groups
                                    for b in g.buckets)
@@ -377,11 +378,13 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
-        if ck.load:
+        if ck.load and (not ck.auto_resume or ckpt.read_latest_iteration(ck.load) is not None):
             self.iteration = ckpt.load_checkpoint(ck.load, self.bundle, cfg)
             log0(f"resumed from {ck.load} at iteration {self.iteration}")
+        elif ck.load:
+            log0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
         writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, self.is_logger,
-                               append=bool(ck.load))
+                               resume_from=self.iteration)
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         history = []
         val_loss = None
@@ -496,7 +499,27 @@ def init_worker(cfg, rank: int, world_size: int, local_rank: int) -> None:
         apply_cpu_shims(cfg.allow_untested_megatron)
     backend = cfg.parallel.distributed_backend or ("nccl" if on_gpu else "gloo")
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            store=_restart_safe_store(world_size),
                             **({"device_id": torch.device("cuda", local_rank)} if on_gpu else {}))
+
+
+def _restart_safe_store(world_size: int):
+    """Under torchrun's agent store, a store whose keys are scoped to this restart attempt.
+
+    torch 2.13's env:// rendezvous assumes a fresh agent store per attempt, but the c10d
+    rendezvous keeps the same one: after ``--max-restarts`` restarts the new workers read
+    the dead ones' gloo addresses (measured: "connectFullMesh failed ... Connection refused"
+    in the restarted init_process_group). Elsewhere None: the default env:// rendezvous.
+    """
+    import datetime
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=False,
+                          timeout=datetime.timedelta(minutes=10))
+    return dist.PrefixStore(f"edgc/attempt_{attempt}", store)
 
 
 def shutdown_worker() -> None:

@@ -1,0 +1,120 @@
+"""Faults: a rank killed mid-run under torchrun --max-restarts comes back from the last
+checkpoint and the trajectory is the uninterrupted one; metrics continue without
+duplicates."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from distributed import read_jsonl
+from megatron_edgc.telemetry import MetricsWriter
+from megatron_edgc.training.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_metrics_resume_drops_a_crashed_attempts_records(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    with open(path, "w") as fh:
+        for it in range(1, 8):
+            fh.write(json.dumps({"iteration": it, "loss": float(it)}) + "\n")
+        fh.write('{"iteration": 8, "lo')                      # torn by the kill
+    writer = MetricsWriter(path, None, True, resume_from=4)
+    writer.write({"iteration": 5, "loss": 50.0})
+    writer.close()
+    assert [(r["iteration"], r["loss"]) for r in read_jsonl(path)] == \
+        [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0)]
+    MetricsWriter(path, None, True).close()                   # a fresh run starts empty
+    assert read_jsonl(path) == []
+
+
+def _descendants(pid: int) -> list:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    kids = [int(c) for c in fh.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
+def _worker_with_rank(pid: int, rank: int):
+    for child in _descendants(pid):
+        try:
+            with open(f"/proc/{child}/environ", "rb") as fh:
+                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        if b"pretrain_gpt2_edgc.py" in cmd and env.get(b"RANK") == str(rank).encode():
+            return child
+    return None
+
+
+def test_killed_rank_restarts_from_last_checkpoint(small_model_argv, tmp_path):
+    base = small_model_argv + ["--pipeline-model-parallel-size", "2", "--data-parallel-size",
+                               "2", "--edgc-mode", "static", "--edgc-rank", "4",
+                               "--train-iters", "40", "--eval-interval", "20"]
+    full = str(tmp_path / "full.jsonl")
+    subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *base,
+                    "--metrics-file", full], check=True, capture_output=True, timeout=300,
+                   cwd=ROOT)
+    metrics, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--max-restarts", "1", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *base, "--metrics-file", metrics,
+           "--save", ck, "--load", ck, "--save-interval", "10"]
+    log = open(tmp_path / "torchrun.log", "w")
+    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed_at is None and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+            if not os.path.exists(metrics):
+                continue
+            done = [r["iteration"] for r in read_jsonl_lenient(metrics)]
+            if done and done[-1] >= 15:                  # past the checkpoint at 10
+                victim = _worker_with_rank(job.pid, 2)
+                assert victim is not None, "rank 2's process not found"
+                os.kill(victim, signal.SIGKILL)
+                killed_at = done[-1]
+        assert killed_at is not None and killed_at < 40, "the run ended before the kill"
+        assert job.wait(timeout=300) == 0, open(tmp_path / "torchrun.log").read()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    text = open(tmp_path / "torchrun.log").read()
+    resumed = re.findall(r"resumed from \S+ at iteration (\d+)", text)
+    assert resumed and int(resumed[0]) in (10, 20, 30) and int(resumed[0]) <= killed_at, \
+        text[-3000:]
+    got = read_jsonl(metrics)
+    assert [r["iteration"] for r in got] == list(range(1, 41))   # each once, none lost
+    want = read_jsonl(full)
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit-exact trajectory
+    assert got[-1]["val_loss"] == want[-1]["val_loss"]
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "40"
+
+
+def read_jsonl_lenient(path):
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
