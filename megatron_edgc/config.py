@@ -523,6 +523,12 @@ class RunConfig:
                                                        f"--pipeline-model-parallel-size >= 2, got {pp}")
         if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
             raise ConfigError("--bucket-size", "must be >= 1")
+        if self.checkpoint.load is not None:
+            from megatron_edgc.training.checkpoint_files import preflight
+
+            problem = preflight(self.checkpoint.load, tp, pp, self.checkpoint.auto_resume)
+            if problem:
+                raise ConfigError("--load", problem)
         return self
 
     def to_dict(self) -> dict:

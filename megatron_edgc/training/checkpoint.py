@@ -38,17 +38,14 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
 
-LATEST = "latest_checkpointed_iteration.txt"
+from megatron_edgc.training.checkpoint_files import (LATEST, iteration_dir, model_file_name,
+                                                     rank_file_name)
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def read_latest_iteration(root: str) -> Optional[int]:
@@ -64,8 +61,8 @@ def read_latest_iteration(root: str) -> Optional[int]:
 def _layout_names(iteration_path: str) -> tuple[str, str]:
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
-    return (os.path.join(iteration_path, f"model_optim_tp{tp:02d}_pp{pp:03d}.pt"),
-            os.path.join(iteration_path, f"rank_state_{dist.get_rank():05d}.pt"))
+    return (os.path.join(iteration_path, model_file_name(tp, pp)),
+            os.path.join(iteration_path, rank_file_name(dist.get_rank())))
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -205,9 +202,9 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
         raise CheckpointError(f"--load: saved with DP {saved['dp']}, resuming with DP "
                               f"{ours['dp']}: distributed-optimizer shards cannot be remapped")
     if dp_changed:
-        rank_file = os.path.join(path, "rank_state_%05d.pt" % _global_rank(
+        rank_file = os.path.join(path, rank_file_name(_global_rank(
             parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank(), 0, saved))
+            parallel_state.get_pipeline_model_parallel_rank(), 0, saved)))
     if not os.path.isfile(rank_file):
         raise CheckpointError(f"--load: {rank_file} is missing (saved with another layout?)")
     try:
