@@ -250,6 +250,15 @@ class DataConfig:
             raise ConfigError("--vocab-file", f"the tokenizer has {tokenizer.vocab_size} ids, "
                                               f"more than {self.data_path}.bin can store: the "
                                               f"data was made with another tokenizer")
+        # The opposite mismatch: ids the tokenizer doesn't have (an embedding lookup out of
+        # range later, in every rank). The first 64 MiB of tokens are a cheap, telling sample.
+        sample = numpy.memmap(self.data_path + ".bin", dtype=token_dtype, mode="r")
+        sample = sample[: (64 << 20) // numpy.dtype(token_dtype).itemsize]
+        top = int(sample.max()) if sample.size else 0
+        if top >= tokenizer.vocab_size:
+            raise ConfigError("--vocab-file", f"{self.data_path}.bin holds token id {top}, beyond "
+                                              f"this tokenizer's {tokenizer.vocab_size} ids: the "
+                                              f"data was made with another tokenizer")
         if self.data_cache_path is None:
             self.data_cache_path = os.path.join(os.path.dirname(os.path.abspath(self.data_path)),
                                                 "cache")

@@ -95,6 +95,17 @@ def test_bad_files(small_model_argv, corpus_data, tmp_path):
     bad_vocab.write_text("{not json")
     expect_error(small_model_argv + ["--vocab-file", str(bad_vocab)], "--vocab-file",
                  "not a tokenizers JSON file")
+    # A real tokenizer, but not the one the data was made with (256 ids < the data's).
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    small = Tokenizer(models.BPE())
+    small.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    small.train_from_iterator(["to be or not to be"] * 10, trainers.BpeTrainer(
+        vocab_size=260, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"]))
+    small.save(str(tmp_path / "small.tokenizer.json"))
+    expect_error(small_model_argv + ["--vocab-file", str(tmp_path / "small.tokenizer.json")],
+                 "--vocab-file", "beyond this tokenizer's")
     # A truncated .bin and a corrupt .idx.
     prefix = str(tmp_path / "broken")
     data = open(corpus_data["prefix"] + ".bin", "rb").read()
