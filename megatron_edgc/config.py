@@ -417,6 +417,10 @@ class EdgcConfig:
     entropy_reference: bool = knob(False, "benchmark: also estimate the entropy of the full "
                                           "gradient every iteration (JSONL entropy_full, "
                                           "entropy_full_ms); changes no decision")
+    grad_stats: bool = knob(False, "study: on measured iterations also record the sampled "
+                                   "gradient's skewness and excess kurtosis per stage and the "
+                                   "entropy per layer type (JSONL grad_skew, grad_kurt, "
+                                   "entropy_by_type); changes no decision")
 
     # Pipeline-parallel backward sends (EDGC §7) and per-stage alignment (§6).
     pp_compression: str = knob("off", "pipeline backward sends: off: dense; static: "

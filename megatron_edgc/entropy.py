@@ -109,3 +109,48 @@ class GradientSampler:
         if idx.device != flat_grad.device:
             idx = self._indices = idx.to(flat_grad.device)
         return flat_grad.index_select(0, idx)
+
+
+# ---------------------------------------------------------------------- the entropy study
+
+#: Parameter classes of a GPT model for per-layer-type entropy (``--edgc-grad-stats``).
+LAYER_TYPES = ("embedding", "attention", "mlp", "norm")
+
+
+def layer_type(name: str) -> str:
+    """The class of a megatron-core GPT parameter from its name."""
+    if "embedding" in name or "output_layer" in name:
+        return "embedding"
+    if "self_attention" in name and "layernorm" not in name:
+        return "attention"
+    if ".mlp." in name and "layernorm" not in name:
+        return "mlp"
+    return "norm"
+
+
+def power_sums(x: torch.Tensor, order: int = 4) -> torch.Tensor:
+    """``[n, Σx, Σx², …, Σx^order]`` in float64 (additive over ranks and chunks)."""
+    x = x.detach().double().flatten()
+    out = [float(x.numel())]
+    p = torch.ones_like(x)
+    for _ in range(order):
+        p = p * x
+        out.append(p.sum().item())
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def moments_from_power_sums(sums) -> dict:
+    """Mean, variance, skewness and excess kurtosis from :func:`power_sums` (order 4),
+    and the Gaussian entropy of that variance; NaN where there are too few elements."""
+    n, s1, s2, s3, s4 = (float(v) for v in sums[:5])
+    nan = float("nan")
+    if n < 2:
+        return {"mean": nan, "var": nan, "skew": nan, "kurt": nan, "entropy": nan}
+    mu = s1 / n
+    m2 = s2 / n - mu * mu
+    m3 = s3 / n - 3 * mu * s2 / n + 2 * mu ** 3
+    m4 = s4 / n - 4 * mu * s3 / n + 6 * mu * mu * s2 / n - 3 * mu ** 4
+    if not m2 > 0:
+        return {"mean": mu, "var": 0.0, "skew": nan, "kurt": nan, "entropy": float("-inf")}
+    return {"mean": mu, "var": m2, "skew": m3 / m2 ** 1.5, "kurt": m4 / m2 ** 2 - 3.0,
+            "entropy": 0.5 * math.log(2 * math.pi * math.e * m2)}

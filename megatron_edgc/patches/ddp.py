@@ -250,6 +250,14 @@ class DPGradientCompression:
             for bucket in group.buckets:
                 yield self._bucket_key[id(bucket)], bucket.grad_data
 
+    def bucket_params(self):
+        """(key, [(name, param), ...]) of every bucket, in the order of :meth:`bucket_grads`."""
+        for group in self.bucket_groups:
+            for bucket in group.buckets:
+                key = self._bucket_key[id(bucket)]
+                names = [name for name, _ in self.compressors[key].entries]
+                yield key, list(zip(names, bucket.params_list))
+
     def dense_bytes_per_iteration(self) -> int:
         return sum(_bucket_grad_bytes(b) for g in self.bucket_groups for b in g.buckets)
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
-from megatron_edgc.entropy import GradientSampler, estimate_entropy
+from megatron_edgc.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy, layer_type,
+                                   moments_from_power_sums, power_sums)
 from megatron_edgc.rank_model import RankModel
 from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
@@ -99,6 +100,13 @@ class EdgcDriver:
             self._calib_bucket = next(
                 key for key, grad in dp_compression.bucket_grads()
                 if grad.data_ptr() <= ptr < grad.data_ptr() + grad.numel() * grad.element_size())
+        # --edgc-grad-stats (the entropy study): each bucket's parameters by layer type.
+        self._typed_grads = None
+        if e.grad_stats:
+            self._typed_grads = {
+                key: [(LAYER_TYPES.index(layer_type(name)), p) for name, p in params]
+                for key, params in dp_compression.bucket_params()}
+        self._type_sums = torch.zeros(len(LAYER_TYPES), 3, dtype=torch.float64)
         self._calib_grad: Optional[torch.Tensor] = None
         self.calibrated_g: Optional[list] = None
         self._full_entropies: list = []
@@ -139,6 +147,9 @@ class EdgcDriver:
             t0 = time.perf_counter()
             self._samples.append(self.samplers[key].sample(grad.view(-1), self._window).float())
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
+            if self._typed_grads is not None:
+                for t, p in self._typed_grads[key]:
+                    self._type_sums[t] += power_sums(p.main_grad, order=2)
             if key == self._calib_bucket and self.controller.in_warmup:
                 self._calib_grad = self._calib_param.main_grad.detach().float().view(
                     self.stage_shapes[self.stage]).clone()
@@ -160,6 +171,7 @@ class EdgcDriver:
         self._samples = []
         self._pp_sample = None
         self._full_entropies = []
+        self._type_sums.zero_()
         self.entropy_ms = 0.0
         self.full_entropy_ms = 0.0
         self.last_entropies = None
@@ -191,6 +203,27 @@ class EdgcDriver:
         means = [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
                  for s in range(self.num_stages + 1)]
         return (means[:-1], means[-1]) if extra is not None else means[:-1]
+
+    def _grad_stats(self) -> dict:
+        """``--edgc-grad-stats``: skewness and excess kurtosis of the sampled gradient and
+        the Gaussian entropy per layer type, per stage, pooled over the stage's ranks (one
+        all-reduce of power sums, so the moments are those of the pooled sample)."""
+        n_types = len(LAYER_TYPES)
+        sums = torch.zeros(self.num_stages, 5 + 3 * n_types, dtype=torch.float64)
+        if self._samples:
+            sums[self.stage, :5] = power_sums(torch.cat(self._samples))
+        sums[self.stage, 5:] = self._type_sums.view(-1)
+        sums = sums.to(self.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        stats = [moments_from_power_sums(row[:5]) for row in sums]
+        by_type = {}
+        for t, name in enumerate(LAYER_TYPES):
+            cols = sums[:, 5 + 3 * t:8 + 3 * t]
+            by_type[name] = [moments_from_power_sums([c[0], c[1], c[2], 0.0, 0.0])["entropy"]
+                             if c[0] > 0 else float("nan") for c in cols]
+        return {"grad_skew": [s["skew"] for s in stats], "grad_kurt": [s["kurt"] for s in stats],
+                "entropy_by_type": by_type}
 
     def _calibrate(self) -> None:
         """``--edgc-g calibrated``: g from the real gradients at warm-up end (EDGC §4).
@@ -251,6 +284,8 @@ class EdgcDriver:
                 entropies = self._stage_mean(local)
             self.controller.observe(iteration, entropies)
             self.last_entropies = entropies
+            if self._typed_grads is not None:
+                record.update(self._grad_stats())
             record["entropy"] = entropies
             record["entropy_ms"] = self.entropy_ms
         if self.dac and stage_times is not None:
