@@ -392,6 +392,15 @@ class EdgcConfig:
                                             "instead of measuring it", min=0.0,
                                       min_exclusive=True)
     # The controller (edgc mode), EDGC §2-5; defaults are the paper's (§8).
+    controller: str = knob("paper", "edgc mode's rank controller after the warm-up: paper: "
+                                    "entropy change -> rank (CQM, EDGC §4, with DAC); budget: "
+                                    "per-matrix-shape ranks that spend --edgc-byte-budget where "
+                                    "PowerSGD's measured residual falls most "
+                                    "(megatron_edgc/rank_allocation.py)",
+                           choices=("paper", "budget"))
+    byte_budget: float = knob(0.5, "budget controller: compressed DP bytes per iteration as a "
+                                   "fraction of every shape at r_max", min=0.0, max=1.0,
+                              min_exclusive=True)
     window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
                        min=1)
     iter_sample_rate: float = knob(0.1, "GDS iteration sampling rate α: entropy is measured on "
@@ -455,7 +464,7 @@ class EdgcConfig:
 
     @property
     def dac_active(self) -> bool:
-        return self.mode == "edgc" and self.dac == "on"
+        return self.mode == "edgc" and self.dac == "on" and self.controller == "paper"
 
 
 @dataclass

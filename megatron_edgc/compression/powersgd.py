@@ -115,6 +115,11 @@ class BucketCompressor:
         self.compress_all = compress_all  # tests: compress every matrix, even at full rank
         self.device = device
         self.rank = rank
+        self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
+        #: When set, :meth:`finish` adds each group's captured energy per basis column to
+        #: :attr:`spectrum` (the budget controller's measured error curves).
+        self.track_spectrum = False
+        self.spectrum: dict[tuple[int, int], list] = {}
         self.groups: dict[tuple[int, int], ShapeGroup] = {}
         self.dense_indices: list[int] = []
         self._pending_flush: dict[str, torch.Tensor] = {}  # residuals of matrices gone dense
@@ -122,13 +127,16 @@ class BucketCompressor:
 
     # ------------------------------------------------------------------ planning
 
+    def rank_of_shape(self, n: int, m: int) -> int:
+        return self.shape_ranks.get((n, m), self.rank)
+
     def _compressible(self, n: int, m: int) -> bool:
         if self.compress_all:
             return n > 1 and m > 1
-        return n > 1 and is_compressible(n, m, self.rank, self.min_compression_rate)
+        return n > 1 and is_compressible(n, m, self.rank_of_shape(n, m), self.min_compression_rate)
 
     def _rank_for(self, g: ShapeGroup) -> int:
-        return min(self.rank, g.n, g.m)
+        return min(self.rank_of_shape(g.n, g.m), g.n, g.m)
 
     def _plan(self) -> None:
         old = {name: (g, j) for g in self.groups.values() for j, name in enumerate(g.names)}
@@ -162,13 +170,16 @@ class BucketCompressor:
         self.groups = groups
         self.dense_indices = dense
 
-    def set_rank(self, rank: int) -> None:
-        """Change the rank: Q loses trailing columns or gains seeded ones; E is kept."""
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
-        if rank == self.rank:
+    def set_rank(self, rank: int, shape_ranks: Optional[dict] = None) -> None:
+        """Change the rank (``shape_ranks``: per matrix shape ``(n, m)``, overriding
+        ``rank``): Q loses trailing columns or gains seeded ones; E is kept."""
+        shape_ranks = {tuple(k): int(v) for k, v in (shape_ranks or {}).items()}
+        if rank < 1 or any(v < 1 for v in shape_ranks.values()):
+            raise ValueError(f"rank must be >= 1, got {rank}, {shape_ranks}")
+        if rank == self.rank and shape_ranks == self.shape_ranks:
             return
         self.rank = rank
+        self.shape_ranks = shape_ranks
         self._plan()
         for key, g in self.groups.items():
             if g.q is None:
@@ -271,7 +282,28 @@ class BucketCompressor:
                 step.grads[i].copy_(approx[j])
             g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_local[key].transpose(1, 2))
             g.q = q.clone()
+            if self.track_spectrum:
+                self._add_spectrum(key, step.m[key], step.q_local[key])
         assert offset == reduced_q.numel()
+
+    def _add_spectrum(self, key, m: torch.Tensor, q_local: torch.Tensor) -> None:
+        """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of Mᵀ P^]`` for one group.
+
+        ``P^`` is orthonormal, so column ``j`` of ``Q_local = Mᵀ P^`` carries exactly the
+        energy ``‖Mᵀ p_j‖²`` the step captures in direction ``p_j``, and ``‖M‖² − Σ_j`` of
+        them is ``‖E‖²``. Sorted per matrix, the first ``r'`` of them are the energy the
+        best ``r'`` columns of this basis would keep: a measured error curve for every
+        rank up to the current one, at the cost of one pass over ``Q_local``.
+        """
+        cols = (q_local.float() ** 2).sum(dim=1).sort(dim=1, descending=True).values.sum(0)
+        total = float((m.float() ** 2).sum())
+        entry = self.spectrum.get(key)
+        if entry is None or entry[1].numel() != cols.numel():
+            self.spectrum[key] = [total, cols.double().cpu(), 1]
+        else:
+            entry[0] += total
+            entry[1] += cols.double().cpu()
+            entry[2] += 1
 
     def absorb_residual(self, grads: Sequence[torch.Tensor]) -> None:
         """Before a dense sync of this bucket: add every residual (and pending flush) into
@@ -291,7 +323,8 @@ class BucketCompressor:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        out = {"rank": self.rank, "matrices": {}}
+        out = {"rank": self.rank, "matrices": {},
+               "shape_ranks": [[n, m, r] for (n, m), r in sorted(self.shape_ranks.items())]}
         for g in self.groups.values():
             if g.q is None:
                 continue
@@ -303,8 +336,8 @@ class BucketCompressor:
 
     def load_state_dict(self, state: dict, device=None) -> list:
         """Restore; returns the names whose saved state did not fit (reset to fresh)."""
-        if state["rank"] != self.rank:
-            self.set_rank(state["rank"])
+        shape_ranks = {(n, m): r for n, m, r in state.get("shape_ranks", [])}
+        self.set_rank(state["rank"], shape_ranks)
         mismatched = []
         mats = state["matrices"]
         for g in self.groups.values():

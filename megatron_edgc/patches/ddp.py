@@ -237,12 +237,43 @@ class DPGradientCompression:
             model[key] = (t1 - b * r1, b)
         return model
 
-    def set_rank(self, rank: Optional[int]) -> None:
-        """A new rank for every bucket (None: dense; the compressor state is kept)."""
+    def set_rank(self, rank) -> None:
+        """A new rank for every bucket (None: dense; the compressor state is kept); a dict
+        ``{(n, m): rank}`` sets one rank per matrix shape (the budget controller)."""
+        if isinstance(rank, dict):
+            shape_ranks, rank = rank, max(rank.values(), default=1)
+        else:
+            shape_ranks = None
         self.rank = rank
         if rank is not None:
             for comp in self.compressors.values():
-                comp.set_rank(rank)
+                comp.set_rank(rank, shape_ranks)
+
+    def shape_counts(self) -> dict:
+        """``{(n, m): number of matrices}`` of this rank's buckets (vectors excluded)."""
+        counts: dict = {}
+        for comp in self.compressors.values():
+            for _, (n, m) in comp.entries:
+                if n > 1 and m > 1:
+                    counts[(n, m)] = counts.get((n, m), 0) + 1
+        return counts
+
+    def track_spectrum(self, on: bool = True) -> None:
+        for comp in self.compressors.values():
+            comp.track_spectrum = on
+
+    def pop_spectrum(self) -> dict:
+        """``{(n, m): (Σ‖M‖², Σ sorted column energies)}`` over all buckets since the last
+        call (see :meth:`BucketCompressor._add_spectrum`), then cleared."""
+        out: dict = {}
+        for comp in self.compressors.values():
+            for shape, (total, cols, _) in comp.spectrum.items():
+                if shape in out and out[shape][1].numel() == cols.numel():
+                    out[shape] = (out[shape][0] + total, out[shape][1] + cols)
+                else:
+                    out[shape] = (total, cols.clone())
+            comp.spectrum = {}
+        return out
 
     def bucket_grads(self):
         """(key, grad_data) of every bucket, in a fixed order."""

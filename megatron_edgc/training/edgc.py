@@ -38,6 +38,7 @@ from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
 from megatron_edgc.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy, layer_type,
                                    moments_from_power_sums, power_sums)
+from megatron_edgc.rank_allocation import BudgetRankController
 from megatron_edgc.rank_model import RankModel
 from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
@@ -88,8 +89,21 @@ class EdgcDriver:
             window=e.window, iter_sample_rate=e.iter_sample_rate, rank_max=e.rank_max,
             rank_min=e.rank_min, rank_step=e.rank_step, warmup_eps=e.warmup_eps,
             warmup_windows=e.warmup_windows, warmup_max_iters=e.warmup_max_iters)
-        self.controller = RankController(self.settings,
-                                         [RankModel(n, m) for n, m in self.stage_shapes])
+        self.budget = e.controller == "budget"
+        if self.budget:  # per-shape ranks from a byte budget (megatron_edgc/rank_allocation.py)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (stage, sorted(dp_compression.shape_counts().items())))
+            stage_groups = [None] * num_stages
+            for s, items in gathered:
+                if stage_groups[s] is None:
+                    stage_groups[s] = [(n, m, c) for (n, m), c in items]
+            self.controller = BudgetRankController(
+                self.settings, stage_groups, byte_budget=e.byte_budget,
+                min_compression_rate=e.min_compression_rate)
+            dp_compression.track_spectrum(True)
+        else:
+            self.controller = RankController(self.settings,
+                                              [RankModel(n, m) for n, m in self.stage_shapes])
         # For --edgc-g calibrated: this rank's gradient of one dominant-shape matrix.
         self._calib_param = next(
             (p for c in chunks for p in c.module.parameters()
@@ -188,6 +202,9 @@ class EdgcDriver:
         return self.settings.rank_max if first_half else self.settings.rank_min
 
     def applied_ranks(self, iteration: int) -> list:
+        if self.budget:  # the byte-equivalent uniform rank of each stage's shape ranks
+            return [None if r is None else round(r, 2)
+                    for r in (self.controller.effective_rank(s) for s in range(self.num_stages))]
         probe = self.probe_rank(iteration)
         return [probe] * self.num_stages if probe is not None else list(self.dp_table)
 
@@ -291,7 +308,14 @@ class EdgcDriver:
         if self.dac and stage_times is not None:
             self._observe_times(self.applied_ranks(iteration), stage_times)
         window_end = (iteration + 1) % self.settings.window == 0
-        record["rank_cqm"] = list(self.controller.table)  # in force this iteration
+        if self.budget:
+            record["rank_dp_shapes"] = [
+                None if t is None else {f"{n}x{m}": r for (n, m), r in sorted(t.items())}
+                for t in self.dp_table]
+            if window_end and not self.controller.in_warmup:
+                self._observe_spectrum()
+        else:
+            record["rank_cqm"] = list(self.controller.table)  # in force this iteration
         was_warmup = self.controller.in_warmup
         self.controller.end_iteration(iteration)
         if was_warmup and not self.controller.in_warmup and self.cfg.edgc.g == "calibrated":
@@ -312,6 +336,36 @@ class EdgcDriver:
             record["dac_c_ms"] = [m.c for m in self.time_models]
             record["dac_slack_ms"] = self.slack
         return record
+
+    def _observe_spectrum(self) -> None:
+        """Window end (budget controller): the window's column energies per stage and
+        shape, summed over the job (one all-reduce), to the controller."""
+        c = self.controller
+        r_max = self.settings.rank_max
+        width = max(len(g) for g in c.groups) if c.groups else 0
+        sums = torch.zeros(self.num_stages, max(width, 1), 2 + r_max, dtype=torch.float64)
+        local = self.dp_compression.pop_spectrum()
+        for g, shape in enumerate(c.shapes_of(self.stage)):
+            if shape in local:
+                total, cols = local[shape]
+                sums[self.stage, g, 0] = total
+                sums[self.stage, g, 1] = 1.0
+                sums[self.stage, g, 2:2 + cols.numel()] = cols[:r_max]
+        sums = sums.to(self.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        spectra = []
+        for s in range(self.num_stages):
+            table = c.table[s]
+            row = []
+            for g, shape in enumerate(c.shapes_of(s)):
+                if table is None or sums[s, g, 1] == 0:
+                    row.append(None)
+                else:
+                    r = table[shape]
+                    row.append((float(sums[s, g, 0]), sums[s, g, 2:2 + r].tolist()))
+            spectra.append(row)
+        c.observe_spectrum(spectra)
 
     # ------------------------------------------------------------------ DAC and tables
 
@@ -366,8 +420,20 @@ class EdgcDriver:
                     f[i] *= DAC_DECAY
         self._window_times = [[0.0] * 4 for _ in range(self.num_stages)]
         pp = self.pp_controller.table[0] if self.pp_controller is not None else None
-        shared = _broadcast_ints(table + [pp], self.device)
-        self.dp_table, self.pp_rank = shared[:-1], shared[-1]
+        if self.budget:  # shape ranks, flattened in every stage's shape order
+            shapes = [self.controller.shapes_of(s) for s in range(self.num_stages)]
+            flat = [None if t is None else t[shape]
+                    for t, stage_shapes in zip(table, shapes) for shape in stage_shapes]
+            shared = _broadcast_ints(flat + [pp], self.device)
+            self.dp_table, k = [], 0
+            for t, stage_shapes in zip(table, shapes):
+                values = shared[k:k + len(stage_shapes)]
+                k += len(stage_shapes)
+                self.dp_table.append(None if t is None else dict(zip(stage_shapes, values)))
+            self.pp_rank = shared[-1]
+        else:
+            shared = _broadcast_ints(table + [pp], self.device)
+            self.dp_table, self.pp_rank = shared[:-1], shared[-1]
         self.table_version += 1
         if self.pp_controller is not None:
             self.p2p.set_rank(self.pp_rank, self.table_version)
@@ -388,7 +454,8 @@ class EdgcDriver:
                 "calibrated_g": self.calibrated_g,
                 "pp_controller": self.pp_controller.state_dict()
                 if self.pp_controller is not None else None,
-                "dp_table": self.dp_table, "pp_rank": self.pp_rank,
+                "dp_table": BudgetRankController._encode_table(self.dp_table)
+                if self.budget else self.dp_table, "pp_rank": self.pp_rank,
                 "table_version": self.table_version, "dac_fit": self._fit,
                 "dac_window_times": self._window_times,
                 "time_models": [(m.eta, m.c) for m in self.time_models]
@@ -405,6 +472,8 @@ class EdgcDriver:
         if self.pp_controller is not None and state.get("pp_controller") is not None:
             self.pp_controller.load_state_dict(state["pp_controller"])
         self.dp_table = list(state.get("dp_table", self.controller.table))
+        if self.budget:
+            self.dp_table = BudgetRankController._decode_table(self.dp_table)
         self.pp_rank = state.get("pp_rank")
         self.table_version = state.get("table_version", 0)
         if "dac_fit" in state:

@@ -1,0 +1,196 @@
+"""The ``budget`` controller: per-shape DP ranks from a byte budget and measured error curves.
+
+An alternative to the paper's CQM (``--edgc-controller budget``), designed from what the
+entropy study showed (BENCHMARKS.md, "The entropy question"): the sampled Gaussian entropy
+is ``log`` of the local gradient's RMS, which does not fall while a small LM trains, and
+under Adam the update is invariant to the gradient's scale anyway, so an entropy (scale)
+change says little about how much rank the gradient needs. What does say it is measured
+for free by PowerSGD itself: column ``j`` of ``Q_local = Mᵀ P^`` carries the energy the
+step captures in basis direction ``j`` (``P^`` is orthonormal), so the sorted column
+energies of each matrix shape give its relative residual at every rank up to the current
+one (:meth:`BucketCompressor._add_spectrum`).
+
+With those curves the controller spends a fixed byte budget where it buys the most
+(L-GreCo, Markov et al. 2023, allocates per-layer ranks the same way, offline and by
+dynamic programming): minimise ``Σ_g numel_g · ρ_g(r_g)²`` — each shape group's relative
+squared residual weighted by its elements, the quantity Adam's per-element normalisation
+sees — subject to ``Σ_g bytes_g(r_g) ≤ budget · bytes(r_max)``. The sorted column
+energies make every curve convex, so adding one rank at a time to the group with the best
+error saved per byte is optimal (the greedy solution of a separable convex knapsack).
+
+Window by window (EDGC §5's machinery, warm-up unchanged): the first window after warm-up
+runs every shape at its largest allowed rank to measure full curves; each later window
+end refreshes the measured part of every curve (ranks up to the one in force; entries
+above it keep their last measured value) and reallocates. Every input is all-reduced and
+every decision deterministic, so all ranks hold the same table. Pure Python and numpy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence
+
+from megatron_edgc.compression.powersgd import FLOAT_BYTES, is_compressible
+from megatron_edgc.controller import ControllerSettings, RankController
+
+Shape = tuple  # (n, m)
+
+
+def max_rank_of(n: int, m: int, rank_max: int, min_compression_rate: float) -> int:
+    """The largest rank ``<= rank_max`` at which an ``n x m`` matrix is compressed (0: none)."""
+    r = rank_max
+    while r >= 1 and not is_compressible(n, m, r, min_compression_rate):
+        r -= 1
+    return r
+
+
+def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
+                   budget_bytes: float, r_min: int) -> list:
+    """Greedy allocation of ranks to shape groups under a byte budget.
+
+    ``groups``: ``(n, m, count, r_hi)`` per group (``r_hi`` its largest allowed rank);
+    ``captured[g][r]``: the fraction of the group's energy kept at rank ``r``
+    (``r = 0 … r_hi``, non-decreasing). Every group starts at ``min(r_min, r_hi)``; then
+    one rank at a time goes to the group whose next rank saves the most weighted error
+    per byte, while the budget allows. Ties go to the earlier group. Returns the ranks.
+    """
+    ranks = [min(r_min, g[3]) for g in groups]
+    spent = sum(c * (n + m) * r * FLOAT_BYTES for (n, m, c, _), r in zip(groups, ranks))
+    while True:
+        best, best_gain = None, 0.0
+        for i, ((n, m, count, r_hi), r) in enumerate(zip(groups, ranks)):
+            if r >= r_hi:
+                continue
+            cost = count * (n + m) * FLOAT_BYTES
+            if spent + cost > budget_bytes + 1e-9:
+                continue
+            gain = count * n * m * (captured[i][r + 1] - captured[i][r]) / cost
+            if best is None or gain > best_gain:
+                best, best_gain = i, gain
+        if best is None:
+            return ranks
+        n, m, count, _ = groups[best]
+        ranks[best] += 1
+        spent += count * (n + m) * FLOAT_BYTES
+
+
+def captured_curve(total: float, column_energies: Sequence[float]) -> list:
+    """``[0, c_1/T, (c_1+c_2)/T, …]`` from the sorted column energies, clipped to [0, 1]."""
+    out, acc = [0.0], 0.0
+    for c in column_energies:
+        acc += max(0.0, float(c))
+        out.append(min(1.0, acc / total) if total > 0 else 0.0)
+    for i in range(1, len(out)):  # monotone against float noise
+        out[i] = max(out[i], out[i - 1])
+    return out
+
+
+class BudgetRankController(RankController):
+    """Warm-up as the paper's controller; then per-shape ranks from a byte budget.
+
+    ``stage_groups[s]`` lists stage ``s``'s compressible matrix shapes as
+    ``(n, m, count)``. The table entry of a stage is its shape ranks,
+    ``{(n, m): rank}``, or None (dense) during warm-up.
+    """
+
+    def __init__(self, settings: ControllerSettings, stage_groups: Sequence[Sequence[tuple]],
+                 *, byte_budget: float, min_compression_rate: float = 2.0):
+        super().__init__(settings, [None] * len(stage_groups))
+        if not 0 < byte_budget <= 1:
+            raise ValueError(f"byte_budget must be in (0, 1], got {byte_budget}")
+        self.byte_budget = byte_budget
+        self.groups = []
+        for shapes in stage_groups:
+            rows = []
+            for n, m, count in shapes:
+                hi = max_rank_of(n, m, settings.rank_max, min_compression_rate)
+                if hi >= 1:
+                    rows.append((int(n), int(m), int(count), hi))
+            self.groups.append(sorted(rows))
+        # captured[s][g]: fraction of energy kept at rank 0..r_hi (None: never measured)
+        self.captured: list = [[None] * len(g) for g in self.groups]
+        self.measured_windows = 0
+
+    def shapes_of(self, stage: int) -> list:
+        return [(n, m) for n, m, _, _ in self.groups[stage]]
+
+    def full_table(self, stage: int) -> dict:
+        return {(n, m): hi for n, m, _, hi in self.groups[stage]}
+
+    def budget_bytes(self, stage: int) -> float:
+        full = sum(c * (n + m) * hi * FLOAT_BYTES for n, m, c, hi in self.groups[stage])
+        return self.byte_budget * full
+
+    def bytes_of(self, stage: int, table: Optional[dict]) -> Optional[int]:
+        """Compressed-factor bytes per iteration of this stage's groups under ``table``."""
+        if table is None:
+            return None
+        return sum(c * (n + m) * table[(n, m)] * FLOAT_BYTES for n, m, c, _ in self.groups[stage])
+
+    def effective_rank(self, stage: int) -> Optional[float]:
+        """The uniform rank that would send the same factor bytes as the stage's table."""
+        table = self.table[stage]
+        if table is None:
+            return None
+        width = sum(c * (n + m) for n, m, c, _ in self.groups[stage])
+        return self.bytes_of(stage, table) / (width * FLOAT_BYTES) if width else 0.0
+
+    def _warmup_step(self, iteration: int, means: list) -> None:
+        super()._warmup_step(iteration, means)
+        if not self.in_warmup:  # measure every curve fully in the first window
+            self.table = [self.full_table(s) for s in range(self.num_stages)]
+
+    def observe_spectrum(self, stage_spectra: Sequence[Sequence[Optional[tuple]]]) -> None:
+        """The window's measured ``(total_energy, sorted column energies)`` per group, in
+        :meth:`shapes_of` order (None where a group was not measured). Call before the
+        window's :meth:`end_iteration`."""
+        for s, spectra in enumerate(stage_spectra):
+            for g, spec in enumerate(spectra):
+                if spec is None:
+                    continue
+                total, cols = spec
+                fresh = captured_curve(total, cols)
+                hi = self.groups[s][g][3]
+                old = self.captured[s][g]
+                if old is None:  # above the measured rank: flat (no information yet)
+                    curve = fresh + [fresh[-1]] * (hi + 1 - len(fresh))
+                else:
+                    curve = fresh + [max(v, fresh[-1]) for v in old[len(fresh):]]
+                self.captured[s][g] = curve[:hi + 1]
+        self.measured_windows += 1
+
+    def _rank_step(self, means: list) -> None:
+        for s in range(self.num_stages):
+            curves = self.captured[s]
+            if not self.groups[s] or any(c is None for c in curves):
+                continue
+            ranks = allocate_ranks(self.groups[s], curves, self.budget_bytes(s),
+                                   self.settings.rank_min)
+            self.table[s] = {(n, m): r for (n, m, _, _), r in zip(self.groups[s], ranks)}
+
+    # ------------------------------------------------------------------ state
+
+    @staticmethod
+    def _encode_table(table: list) -> list:
+        return [None if t is None else [[n, m, r] for (n, m), r in sorted(t.items())]
+                for t in table]
+
+    @staticmethod
+    def _decode_table(table: list) -> list:
+        return [None if t is None else {(n, m): r for n, m, r in t} for t in table]
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["table"] = self._encode_table(self.table)
+        state.update(captured=copy.deepcopy(self.captured), byte_budget=self.byte_budget,
+                     measured_windows=self.measured_windows,
+                     groups=[[list(g) for g in rows] for rows in self.groups])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if [[list(g) for g in rows] for rows in self.groups] != state.get("groups"):
+            raise ValueError("budget controller state was saved for other matrix shapes")
+        state = copy.deepcopy(state)
+        state.pop("groups")
+        state["table"] = self._decode_table(state["table"])
+        super().load_state_dict(state)
