@@ -20,8 +20,8 @@ error saved per byte is optimal (the greedy solution of a separable convex knaps
 
 Window by window (EDGC §5's machinery, warm-up unchanged): the first window after warm-up
 runs every shape at its largest allowed rank to measure full curves; each later window
-end refreshes the measured part of every curve (ranks up to the one in force; entries
-above it keep their last measured value) and reallocates. Every input is all-reduced and
+end measures every curve up to the rank in force, bounds it above that rank by the last
+measured column (:func:`extend_curve`), and reallocates. Every input is all-reduced and
 every decision deterministic, so all ranks hold the same table. Pure Python and numpy.
 """
 
@@ -83,6 +83,23 @@ def captured_curve(total: float, column_energies: Sequence[float]) -> list:
     for i in range(1, len(out)):  # monotone against float noise
         out[i] = max(out[i], out[i - 1])
     return out
+
+
+def extend_curve(fresh: list, r_hi: int) -> list:
+    """A captured-energy curve for ranks ``0 … r_hi`` from one measured up to the rank in
+    force: above it every step is the last measured one (capped at 1).
+
+    The column energies are sorted, so no unseen column can carry more than the last
+    seen one: the extension is an upper bound, which makes the allocation try a higher
+    rank wherever the last column still pays, and measure the truth a window later
+    (optimism under uncertainty; a stale lower curve would never be revisited). Steps
+    that do not increase keep the curve concave, which the greedy allocation needs.
+    """
+    curve = list(fresh[:r_hi + 1])
+    last = curve[-1] - curve[-2] if len(curve) > 1 else 0.0
+    while len(curve) < r_hi + 1:
+        curve.append(min(1.0, curve[-1] + last))
+    return curve
 
 
 class BudgetRankController(RankController):
@@ -151,12 +168,7 @@ class BudgetRankController(RankController):
                 total, cols = spec
                 fresh = captured_curve(total, cols)
                 hi = self.groups[s][g][3]
-                old = self.captured[s][g]
-                if old is None:  # above the measured rank: flat (no information yet)
-                    curve = fresh + [fresh[-1]] * (hi + 1 - len(fresh))
-                else:
-                    curve = fresh + [max(v, fresh[-1]) for v in old[len(fresh):]]
-                self.captured[s][g] = curve[:hi + 1]
+                self.captured[s][g] = extend_curve(fresh, hi)
         self.measured_windows += 1
 
     def _rank_step(self, means: list) -> None:
