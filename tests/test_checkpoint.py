@@ -33,8 +33,13 @@ def pretrain(argv, timeout=300):
      "--global-batch-size", "16", "--edgc-mode", "edgc", "--edgc-window", "2",
      "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8", "--edgc-warmup-max-iters", "4",
      "--edgc-dac", "off", "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "8"],
+    # the budget controller: the checkpoint at 5 falls inside its first measured window
+    ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+     "--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
+     "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8",
+     "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "4"],
 ], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4", "edgc-controller",
-        "edgc-pp-compression"])
+        "edgc-pp-compression", "budget-controller"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")
@@ -61,6 +66,7 @@ def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_p
         assert res_recs[it].get("rank_dp") == full_recs[it].get("rank_dp")
         assert res_recs[it].get("entropy") == full_recs[it].get("entropy")
         assert res_recs[it].get("rank_pp") == full_recs[it].get("rank_pp")
+        assert res_recs[it].get("rank_dp_shapes") == full_recs[it].get("rank_dp_shapes")
     assert open(tmp_path / "ck" / "latest_checkpointed_iteration.txt").read() == "10"
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "ck"))
 

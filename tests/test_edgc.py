@@ -72,3 +72,37 @@ def test_calibrated_g_from_real_gradients(small_model_argv, tmp_path):
         gaussian = RankModel(2048, 64) if k == 64 else None
         if gaussian is not None:
             assert curve[8] < gaussian.g(8)
+
+
+def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(small_model_argv,
+                                                                        tmp_path):
+    """--edgc-controller budget on TP1·PP2·DP2: after the warm-up and one window at r_max
+    every stage holds per-shape ranks within half of r_max's factor bytes, the same table
+    on every rank (checked by hash at every window end), DP replicas stay bit-identical."""
+    from distributed import assert_dp_replicas_identical
+
+    metrics = str(tmp_path / "m.jsonl")
+    flags = ["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
+             "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5", "--edgc-rank-max", "8",
+             "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "8", "--edgc-check-table"]
+    results = run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + flags + [
+        "--train-iters", "20", "--metrics-file", metrics], str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    assert all(r["rank_dp"] == [None, None] for r in records[:8])
+    full = records[8]["rank_dp_shapes"]
+    assert all(set(t.values()) == {8} for t in full) and records[8]["rank_dp"] == [8.0, 8.0]
+    later = records[12:]
+    assert all(r["rank_dp"][s] <= 4.0 + 1e-9 for r in later for s in range(2))
+    assert any(v < 8 for r in later for t in r["rank_dp_shapes"] for v in t.values())
+    # fewer bytes than the r_max window, by the factor part's share
+    assert max(r["dp_bytes_sent_job"] for r in later) < 0.8 * records[9]["dp_bytes_sent_job"]
+    states = [r["controller"] for r in results]
+    assert all(s == states[0] for s in states)
+    assert assert_dp_replicas_identical(results) > 0
+    # the compressors hold the table in force: this stage's shape ranks
+    for r in results:
+        shapes = {(n, m): k for n, m, k in r["compression"]["buckets"][
+            next(iter(r["compression"]["buckets"]))]["shape_ranks"]}
+        want = {tuple(int(x) for x in key.split("x")): v
+                for key, v in records[-1]["rank_dp_shapes"][r["pp"]].items()}
+        assert shapes == want

@@ -332,6 +332,9 @@ class BucketCompressor:
                 out["matrices"][name] = {"q": g.q[j].cpu().clone(),
                                          "residual": g.residual[j].cpu().clone()}
         out["pending_flush"] = {k: v.cpu().clone() for k, v in self._pending_flush.items()}
+        # the window's measured column energies so far (a mid-window checkpoint resumes them)
+        out["spectrum"] = [[n, m, total, cols.clone(), count]
+                           for (n, m), (total, cols, count) in sorted(self.spectrum.items())]
         return out
 
     def load_state_dict(self, state: dict, device=None) -> list:
@@ -352,4 +355,6 @@ class BucketCompressor:
                 mismatched += [name for name in g.names if name in mats]
                 g.q = g.residual = None
         self._pending_flush = dict(state.get("pending_flush", {}))
+        self.spectrum = {(n, m): [total, cols.clone(), count]
+                         for n, m, total, cols, count in state.get("spectrum", [])}
         return mismatched

@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""The loss–bytes plane: dense, static PowerSGD ranks, the paper's EDGC and the budget
+controller, side by side on the same data, seeds and iterations.
+
+    python bench/pareto.py [--testbed tiny-dp4 tiny-pp2 small-dp4] [--seeds 3] [--report-only]
+
+Per testbed every run trains from scratch with the same dense warm-up (static runs start
+compressing at ``--edgc-start-iter`` = the iteration where EDGC's capped warm-up ends), and
+reports the final validation loss and the DP bytes per iteration *after* warm-up, summed
+from the per-iteration metrics (``dp_bytes_sent_job``). Dense and two static points run on
+``--seeds`` seeds (data order and init), so the seed-to-seed spread of the final val loss
+is known and every claim is made against it. Finished runs are reused (their metrics files
+under ``runs/bench/pareto/TESTBED/``); delete a file to rerun it.
+
+Writes ``bench/results/pareto/summary.json`` (one entry per run, computed from the metrics
+files), a plot per testbed and the BENCHMARKS.md section.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.report import write_section  # noqa: E402
+
+RUNS = os.path.join(ROOT, "runs", "bench", "pareto")
+RESULTS = os.path.join(ROOT, "bench", "results", "pareto")
+SEED0 = 1234
+
+#: The EDGC window machinery of every testbed (the issue's setup: window 40, α 0.25,
+#: r_min 1, s 2, warm-up capped at 100 iterations, so compression starts at 120).
+EDGC_FLAGS = ["--edgc-mode", "edgc", "--edgc-window", "40", "--edgc-iter-sample-rate", "0.25",
+              "--edgc-rank-min", "1", "--edgc-rank-step", "2", "--edgc-warmup-max-iters", "100"]
+WARMUP_END = 120
+
+TESTBEDS = {
+    # (a) the tiny default on 4 DP replicas, 800 iterations (about half an epoch of the corpus)
+    "tiny-dp4": dict(flags=["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"],
+                     iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
+    # (c) the tiny default's own layout, TP1·PP2·DP2: per-stage ranks show
+    "tiny-pp2": dict(flags=[], iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
+    # (b) configs/gpt2-small-cpu.yaml (6 layers, hidden 256) on 4 DP replicas
+    "small-dp4": dict(flags=["--config", "configs/gpt2-small-cpu.yaml",
+                             "--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"],
+                      iters=800, r_max=16, static=[2, 4, 8, 16, 32], seeded_static=[16, 8]),
+}
+
+
+def plan(testbed: str, seeds: int) -> list:
+    """(name, controller, seed, flags) of every run of a testbed, most important first."""
+    tb = TESTBEDS[testbed]
+    r_max = tb["r_max"]
+    static = ["--edgc-mode", "static", "--edgc-start-iter", str(WARMUP_END)]
+    edgc = EDGC_FLAGS + ["--edgc-rank-max", str(r_max)]
+    runs = [("dense", "dense", SEED0, [])]
+    runs += [(f"static-r{r}", "static", SEED0, static + ["--edgc-rank", str(r)])
+             for r in tb["static"]]
+    runs += [("paper", "paper", SEED0, edgc),
+             ("budget50", "budget", SEED0, edgc + ["--edgc-controller", "budget",
+                                                   "--edgc-byte-budget", "0.5"]),
+             (f"budget25-rmax{2 * r_max}", "budget", SEED0,
+              EDGC_FLAGS + ["--edgc-rank-max", str(2 * r_max), "--edgc-controller", "budget",
+                            "--edgc-byte-budget", "0.25"])]
+    for seed in range(SEED0 + 1, SEED0 + seeds):
+        runs.append(("dense", "dense", seed, []))
+        runs += [(f"static-r{r}", "static", seed, static + ["--edgc-rank", str(r)])
+                 for r in tb["seeded_static"]]
+        runs.append(("budget50", "budget", seed, edgc + ["--edgc-controller", "budget",
+                                                         "--edgc-byte-budget", "0.5"]))
+    return runs
+
+
+def run_one(testbed: str, name: str, seed: int, flags: list) -> str:
+    """Train one run unless its metrics exist; returns the metrics path."""
+    tb = TESTBEDS[testbed]
+    out = os.path.join(RUNS, testbed)
+    os.makedirs(out, exist_ok=True)
+    metrics = os.path.join(out, f"{name}-s{seed}.jsonl")
+    if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json"):
+        return metrics
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *tb["flags"],
+           "--train-iters", str(tb["iters"]), "--lr-warmup-iters", "40",
+           "--eval-interval", "200", "--log-interval", "100", "--seed", str(seed),
+           "--metrics-file", metrics, *flags]
+    print(f"=== {testbed} {name} seed {seed}", flush=True)
+    with open(os.path.splitext(metrics)[0] + ".log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return metrics
+
+
+def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: str) -> dict:
+    """One summary.json entry, from the run's metrics files only."""
+    with open(metrics) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    with open(os.path.splitext(metrics)[0] + ".summary.json") as fh:
+        summary = json.load(fh)
+    warmup_end = next((r["warmup_end_iter"] for r in reversed(records)
+                       if r.get("warmup_end_iter") is not None), None)
+    if warmup_end is None:  # dense and static: the shared dense phase
+        warmup_end = WARMUP_END
+    after = [r for r in records if r["iteration"] > warmup_end]
+    ranks = [numpy.mean([x for x in r["rank_dp"] if x is not None]) for r in after
+             if r.get("rank_dp") and any(x is not None for x in r["rank_dp"])]
+    return {"testbed": testbed, "name": name, "controller": controller, "seed": seed,
+            "val_loss": summary["val_loss"],
+            "dp_bytes_sent": int(sum(r["dp_bytes_sent_job"] for r in after)),
+            "dp_bytes_dense": int(sum(r["dp_bytes_dense_job"] for r in after)),
+            "warmup_end_iter": warmup_end, "iterations_after_warmup": len(after),
+            "mean_rank_after_warmup": float(numpy.mean(ranks)) if ranks else None}
+
+
+def aggregate(entries: list) -> dict:
+    """name -> mean val loss, its seed std (None for one seed), bytes/iteration."""
+    by_name: dict = {}
+    for e in entries:
+        by_name.setdefault(e["name"], []).append(e)
+    out = {}
+    for name, rows in by_name.items():
+        losses = [r["val_loss"] for r in rows]
+        out[name] = {
+            "controller": rows[0]["controller"], "n": len(rows),
+            "val_loss": float(numpy.mean(losses)),
+            "std": float(numpy.std(losses, ddof=1)) if len(rows) > 1 else None,
+            "bytes_per_iter": float(numpy.mean([r["dp_bytes_sent"] / r["iterations_after_warmup"]
+                                                for r in rows])),
+            "dense_per_iter": float(numpy.mean([r["dp_bytes_dense"] / r["iterations_after_warmup"]
+                                                for r in rows])),
+            "rank": rows[0]["mean_rank_after_warmup"],
+            "seed0_loss": next((r["val_loss"] for r in rows if r["seed"] == SEED0), None)}
+    return out
+
+
+def static_curve_at(agg: dict, bytes_per_iter: float):
+    """The static Pareto curve's val loss at a byte count (linear in log bytes)."""
+    pts = sorted((v["bytes_per_iter"], v["val_loss"]) for v in agg.values()
+                 if v["controller"] == "static")
+    if not pts or not pts[0][0] <= bytes_per_iter <= pts[-1][0]:
+        return None
+    xs = [math.log(x) for x, _ in pts]
+    return float(numpy.interp(math.log(bytes_per_iter), xs, [y for _, y in pts]))
+
+
+def verdicts(testbed: str, agg: dict) -> tuple:
+    """The issue's targets against static r_max, with the seed spread."""
+    r_max = TESTBEDS[testbed]["r_max"]
+    ref = agg.get(f"static-r{r_max}")
+    stds = [v["std"] for v in agg.values() if v["std"] is not None]
+    spread = float(numpy.mean(stds)) if stds else None
+    lines = []
+    if ref is None or spread is None:
+        return spread, ["static r_max or the seeded runs are missing: no verdict yet"]
+    for name, v in agg.items():
+        if v["controller"] not in ("paper", "budget"):
+            continue
+        ratio = v["bytes_per_iter"] / ref["bytes_per_iter"]
+        d_ref = v["val_loss"] - ref["val_loss"]
+        curve = static_curve_at(agg, v["bytes_per_iter"])
+        d_curve = None if curve is None else v["val_loss"] - curve
+        a = ratio <= 0.6 and d_ref <= spread
+        b = d_curve is not None and d_curve < -2 * spread
+        lines.append(
+            f"| {name} (n={v['n']}) | {ratio:.2f} | {d_ref:+.4f} | "
+            f"{'—' if d_curve is None else format(d_curve, '+.4f')} | "
+            f"{'met' if a else 'not met'} | {'met' if b else 'not met'} |")
+    return spread, lines
+
+
+def plot(testbed: str, agg: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mib = 2 ** 20
+    static = sorted(((v["bytes_per_iter"], v, k) for k, v in agg.items()
+                     if v["controller"] == "static"), key=lambda t: t[0])
+    ax.errorbar([b / mib for b, _, _ in static], [v["val_loss"] for _, v, _ in static],
+                yerr=[v["std"] or 0 for _, v, _ in static], fmt="o-", color="tab:blue",
+                capsize=3, label="static PowerSGD (Pareto curve)")
+    for b, v, k in static:
+        ax.annotate(k.replace("static-", ""), (b / mib, v["val_loss"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    styles = {"dense": ("s", "black"), "paper": ("^", "tab:red"), "budget": ("*", "tab:green")}
+    for k, v in agg.items():
+        if v["controller"] == "static":
+            continue
+        marker, color = styles[v["controller"]]
+        ax.errorbar([v["bytes_per_iter"] / mib], [v["val_loss"]], yerr=[v["std"] or 0],
+                    fmt=marker, color=color, markersize=11 if marker == "*" else 8, capsize=3,
+                    label=f"{k} (n={v['n']})")
+    ax.set_xscale("log")
+    ax.set_xlabel("DP MiB per iteration after warm-up (whole job, log)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"{testbed}: loss against bytes (error bars: seed std)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(testbeds: list, entries: list) -> None:
+    parts = []
+    for testbed in testbeds:
+        rows = [e for e in entries if e["testbed"] == testbed]
+        if not rows:
+            parts.append(f"### {testbed}\n\nNot run yet.")
+            continue
+        tb = TESTBEDS[testbed]
+        agg = aggregate(rows)
+        png = os.path.join(RESULTS, f"{testbed}.png")
+        plot(testbed, agg, png)
+        dense = agg.get("dense")
+        ref = agg.get(f"static-r{tb['r_max']}")
+        lines = ["| run | seeds | final val loss (mean ± std) | vs dense | DP MiB/iter after "
+                 "warm-up | bytes vs static r_max | mean rank after warm-up |",
+                 "|---|---|---|---|---|---|---|"]
+        order = sorted(agg.items(), key=lambda kv: -kv[1]["bytes_per_iter"])
+        for name, v in order:
+            pm = f" ± {v['std']:.4f}" if v["std"] is not None else ""
+            vs = f"{100 * (v['val_loss'] / dense['val_loss'] - 1):+.2f} %" if dense else "—"
+            rb = f"{v['bytes_per_iter'] / ref['bytes_per_iter']:.2f}" if ref else "—"
+            rank = "—" if v["rank"] is None else f"{v['rank']:.2f}"
+            lines.append(f"| {name} | {v['n']} | {v['val_loss']:.4f}{pm} | {vs} | "
+                         f"{v['bytes_per_iter'] / 2**20:.3f} | {rb} | {rank} |")
+        spread, verdict = verdicts(testbed, agg)
+        flags = " ".join(tb["flags"]) or "configs/tiny-cpu.yaml as it is (TP1·PP2·DP2)"
+        parts.append(
+            f"### {testbed}\n\n`{flags}`, {tb['iters']} iterations, dense until iteration "
+            f"{WARMUP_END} in every run.\n\n" + "\n".join(lines) +
+            f"\n\nSeed spread (mean of the seeded runs' std of the final val loss): "
+            f"{'n/a' if spread is None else format(spread, '.4f')}.\n\n"
+            "| adaptive run | bytes / static r_max | Δ val loss vs static r_max | Δ vs the "
+            "static curve at equal bytes | target A (≤ 0.60 of the bytes, loss within the "
+            "spread) | target B (below the curve by > 2× spread) |\n|---|---|---|---|---|---|\n"
+            + "\n".join(verdict) +
+            f"\n\n![{testbed}](bench/results/pareto/{testbed}.png)")
+    body = ("Final validation loss against the DP bytes per iteration after warm-up "
+            "(`bench/results/pareto/summary.json` holds every run, computed from its metrics "
+            "file). Static points are joined as the Pareto curve; EDGC (`paper`) and the budget "
+            "controller (`budget50`: r_max, half of its bytes; `budget25-rmax…`: twice r_max, a "
+            "quarter of those bytes) are marked. A difference inside the seed spread is no "
+            "difference.\n\n" + "\n\n".join(parts))
+    write_section("pareto", "The loss–bytes plane: adaptive against static",
+                  "python bench/pareto.py", body)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--testbed", nargs="+", default=list(TESTBEDS), choices=list(TESTBEDS))
+    p.add_argument("--seeds", type=int, default=3, help="seeds of dense and two static points")
+    p.add_argument("--report-only", action="store_true",
+                   help="summarize the runs that exist, train nothing")
+    args = p.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+    entries = []
+    for testbed in args.testbed:
+        for name, controller, seed, flags in plan(testbed, args.seeds):
+            metrics = os.path.join(RUNS, testbed, f"{name}-s{seed}.jsonl")
+            if not args.report_only:
+                metrics = run_one(testbed, name, seed, flags)
+            if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json"):
+                entries.append(summarize_run(testbed, name, controller, seed, metrics))
+    with open(os.path.join(RESULTS, "summary.json"), "w") as fh:
+        json.dump(entries, fh, indent=1)
+    report(args.testbed, entries)
+    print(json.dumps(entries, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
