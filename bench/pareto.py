@@ -240,7 +240,8 @@ def report(testbeds: list, entries: list) -> None:
             "| adaptive run | bytes / static r_max | Δ val loss vs static r_max | Δ vs the "
             "static curve at equal bytes | target A (≤ 0.60 of the bytes, loss within the "
             "spread) | target B (below the curve by > 2× spread) |\n|---|---|---|---|---|---|\n"
-            + "\n".join(verdict) +
+            + ("\n".join(verdict) if verdict and verdict[0].startswith("|") else
+               "| — | | | | | |\n\n" + " ".join(verdict)) +
             f"\n\n![{testbed}](bench/results/pareto/{testbed}.png)")
     body = ("Final validation loss against the DP bytes per iteration after warm-up "
             "(`bench/results/pareto/summary.json` holds every run, computed from its metrics "

@@ -401,6 +401,11 @@ class EdgcConfig:
     byte_budget: float = knob(0.5, "budget controller: compressed DP bytes per iteration as a "
                                    "fraction of every shape at r_max", min=0.0, max=1.0,
                               min_exclusive=True)
+    budget_schedule: str = knob("constant", "budget controller over time: constant: the same "
+                                            "budget every window; lr: the window's budget "
+                                            "follows sqrt(LR) with the same mean over the "
+                                            "compressed windows (an error costs more while the "
+                                            "LR is high)", choices=("constant", "lr"))
     window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
                        min=1)
     iter_sample_rate: float = knob(0.1, "GDS iteration sampling rate α: entropy is measured on "

@@ -180,3 +180,16 @@ def test_extended_curve_is_the_sorted_energies_upper_bound():
     from megatron_edgc.rank_allocation import extend_curve
     assert extend_curve([0.0, 0.5, 0.7], 5) == pytest.approx([0.0, 0.5, 0.7, 0.9, 1.0, 1.0])
     assert extend_curve([0.0, 0.5], 1) == [0.0, 0.5]
+
+
+def test_sqrt_lr_scales_have_mean_one_and_follow_the_lr():
+    from megatron_edgc.rank_allocation import sqrt_lr_scales
+    scales = sqrt_lr_scales([1e-3, 4e-4, 1e-4])
+    assert sum(scales) / 3 == pytest.approx(1.0)
+    assert scales[0] / scales[2] == pytest.approx(10 ** 0.5)
+    c = make()
+    c.budget_scale = 1.5
+    full = sum(k * (n + m) * 8 * FLOAT_BYTES for n, m, k in SHAPES[0])
+    assert c.budget_bytes(0) == pytest.approx(0.75 * full)
+    c.budget_scale = 3.0                       # never more than every shape at r_max
+    assert c.budget_bytes(0) == pytest.approx(full)

@@ -38,7 +38,7 @@ from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
 from megatron_edgc.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy, layer_type,
                                    moments_from_power_sums, power_sums)
-from megatron_edgc.rank_allocation import BudgetRankController
+from megatron_edgc.rank_allocation import BudgetRankController, sqrt_lr_scales
 from megatron_edgc.rank_model import RankModel
 from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
@@ -71,7 +71,7 @@ def dominant_shape(chunks) -> tuple[int, int]:
 
 class EdgcDriver:
     def __init__(self, cfg, chunks, dp_compression, *, stage: int, num_stages: int,
-                 device: torch.device, p2p=None, activation_shape=None):
+                 device: torch.device, p2p=None, activation_shape=None, lr_at=None):
         e = cfg.edgc
         self.cfg, self.dp_compression, self.p2p = cfg, dp_compression, p2p
         self.stage, self.num_stages, self.device = stage, num_stages, device
@@ -104,6 +104,8 @@ class EdgcDriver:
         else:
             self.controller = RankController(self.settings,
                                               [RankModel(n, m) for n, m in self.stage_shapes])
+        self.lr_at = lr_at  # step -> LR of the run's schedule (--edgc-budget-schedule lr)
+        self._budget_scales: Optional[dict] = None
         # For --edgc-g calibrated: this rank's gradient of one dominant-shape matrix.
         self._calib_param = next(
             (p for c in chunks for p in c.module.parameters()
@@ -309,6 +311,7 @@ class EdgcDriver:
             self._observe_times(self.applied_ranks(iteration), stage_times)
         window_end = (iteration + 1) % self.settings.window == 0
         if self.budget:
+            record["budget_scale"] = self.controller.budget_scale
             record["rank_dp_shapes"] = [
                 None if t is None else {f"{n}x{m}": r for (n, m), r in sorted(t.items())}
                 for t in self.dp_table]
@@ -317,7 +320,11 @@ class EdgcDriver:
         else:
             record["rank_cqm"] = list(self.controller.table)  # in force this iteration
         was_warmup = self.controller.in_warmup
+        if self.budget and window_end and not was_warmup:
+            self._set_budget_scale(iteration + 1)
         self.controller.end_iteration(iteration)
+        if self.budget and was_warmup and not self.controller.in_warmup:
+            self._plan_budget_scales(iteration + 1 + self.settings.window)  # after the r_max window
         if was_warmup and not self.controller.in_warmup and self.cfg.edgc.g == "calibrated":
             self._calibrate()
             record["g_calibrated"] = self.calibrated_g
@@ -336,6 +343,21 @@ class EdgcDriver:
             record["dac_c_ms"] = [m.c for m in self.time_models]
             record["dac_slack_ms"] = self.slack
         return record
+
+    def _plan_budget_scales(self, start: int) -> None:
+        """At warm-up end: the budget scale of every remaining window (mean 1), from the
+        LR schedule at each window's middle; constant schedule: all 1."""
+        w, end = self.settings.window, self.cfg.training.train_iters
+        if self.cfg.edgc.budget_schedule != "lr" or self.lr_at is None:
+            return
+        mids = list(range(start + w // 2, end, w))
+        self._budget_scales = dict(zip(range(start, end, w),
+                                       sqrt_lr_scales([self.lr_at(i) for i in mids])))
+
+    def _set_budget_scale(self, next_window_start: int) -> None:
+        if self._budget_scales is not None:
+            self.controller.budget_scale = self._budget_scales.get(
+                next_window_start, self.controller.budget_scale)
 
     def _observe_spectrum(self) -> None:
         """Window end (budget controller): the window's column energies per stage and
@@ -454,6 +476,8 @@ class EdgcDriver:
                 "calibrated_g": self.calibrated_g,
                 "pp_controller": self.pp_controller.state_dict()
                 if self.pp_controller is not None else None,
+                "budget_scales": sorted(self._budget_scales.items())
+                if self.budget and self._budget_scales is not None else None,
                 "dp_table": BudgetRankController._encode_table(self.dp_table)
                 if self.budget else self.dp_table, "pp_rank": self.pp_rank,
                 "table_version": self.table_version, "dac_fit": self._fit,
@@ -474,6 +498,8 @@ class EdgcDriver:
         self.dp_table = list(state.get("dp_table", self.controller.table))
         if self.budget:
             self.dp_table = BudgetRankController._decode_table(self.dp_table)
+            scales = state.get("budget_scales")
+            self._budget_scales = dict(scales) if scales is not None else None
         self.pp_rank = state.get("pp_rank")
         self.table_version = state.get("table_version", 0)
         if "dac_fit" in state:

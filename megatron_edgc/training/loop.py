@@ -103,7 +103,8 @@ class Trainer:
         if e.mode == "edgc":
             self.edgc = EdgcDriver(cfg, self.bundle.chunks, self.dp_compression,
                                    stage=self.stage, num_stages=pp, device=self.device,
-                                   p2p=self.p2p, activation_shape=self.activation_shape)
+                                   p2p=self.p2p, activation_shape=self.activation_shape,
+                                   lr_at=self._lr_at)
             ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                    dp_invariant=True)
         self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
@@ -126,6 +127,16 @@ class Trainer:
         self.iteration = 0
 
     # ------------------------------------------------------------------ setup
+
+    def _lr_at(self, step: int) -> float:
+        """The LR megatron-core's scheduler gives at ``step`` (its own formula, read-only)."""
+        scheduler = self.bundle.scheduler
+        now = scheduler.num_steps
+        try:
+            scheduler.num_steps = step
+            return float(scheduler.get_lr({}))
+        finally:
+            scheduler.num_steps = now
 
     def _seed(self, seed: int) -> None:
         # Megatron's scheme: a different stream per pipeline stage, equal over DP.
