@@ -65,6 +65,9 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [("paper", "paper", SEED0, edgc),
              ("budget50", "budget", SEED0, edgc + ["--edgc-controller", "budget",
                                                    "--edgc-byte-budget", "0.5"]),
+             ("budget50-lr", "budget", SEED0, edgc + ["--edgc-controller", "budget",
+                                                      "--edgc-byte-budget", "0.5",
+                                                      "--edgc-budget-schedule", "lr"]),
              (f"budget25-rmax{2 * r_max}", "budget", SEED0,
               EDGC_FLAGS + ["--edgc-rank-max", str(2 * r_max), "--edgc-controller", "budget",
                             "--edgc-byte-budget", "0.25"])]
@@ -74,6 +77,9 @@ def plan(testbed: str, seeds: int) -> list:
                  for r in tb["seeded_static"]]
         runs.append(("budget50", "budget", seed, edgc + ["--edgc-controller", "budget",
                                                          "--edgc-byte-budget", "0.5"]))
+        runs.append(("budget50-lr", "budget", seed, edgc + [
+            "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
+            "--edgc-budget-schedule", "lr"]))
     return runs
 
 
@@ -246,8 +252,9 @@ def report(testbeds: list, entries: list) -> None:
     body = ("Final validation loss against the DP bytes per iteration after warm-up "
             "(`bench/results/pareto/summary.json` holds every run, computed from its metrics "
             "file). Static points are joined as the Pareto curve; EDGC (`paper`) and the budget "
-            "controller (`budget50`: r_max, half of its bytes; `budget25-rmax…`: twice r_max, a "
-            "quarter of those bytes) are marked. A difference inside the seed spread is no "
+            "controller (`budget50`: r_max, half of its bytes; `budget50-lr`: the same mean "
+            "budget following sqrt(LR); `budget25-rmax…`: twice r_max, a quarter of those "
+            "bytes) are marked. A difference inside the seed spread is no "
             "difference.\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",
                   "python bench/pareto.py", body)
