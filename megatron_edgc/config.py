@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import tempfile
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -68,6 +70,8 @@ def _check_ranges(section) -> None:
                                      or (base is int and not float(value).is_integer())):
             raise ConfigError(flag, f"must be {'an integer' if base is int else 'a number'} "
                                     f"(got {value!r})")
+        if base is float and not math.isfinite(value):
+            raise ConfigError(flag, f"must be a finite number (got {value})")
         if base is int:
             setattr(section, f.name, int(value))
         if meta.get("choices") is not None and value not in meta["choices"]:
@@ -81,6 +85,29 @@ def _check_ranges(section) -> None:
         if hi is not None and value > hi:
             raise ConfigError(flag, f"must be in [{lo if lo is not None else '-inf'}, {hi}] "
                                     f"(got {value})")
+
+
+def check_writable(flag: str, path: str, is_file: bool = False) -> None:
+    """Fail now, naming ``flag``, if the run could not write ``path`` later (a directory it
+    creates, or a file in one): the nearest existing ancestor must be a directory in which
+    a file can really be created (a probe file, removed at once: ``os.access`` says yes to
+    root under /proc and on read-only binds)."""
+    target = os.path.abspath(path)
+    if is_file and os.path.isdir(target):
+        raise ConfigError(flag, f"{path} is a directory")
+    if not is_file and os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(flag, f"{path} exists and is not a directory")
+    probe = os.path.dirname(target) if is_file else target
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(flag, f"{path} cannot be written ({probe} is not a directory)")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ConfigError(flag, f"{path} cannot be written (creating a file in {probe} "
+                                f"fails: {exc.strerror or exc})") from None
 
 
 @dataclass
@@ -262,6 +289,7 @@ class DataConfig:
         if self.data_cache_path is None:
             self.data_cache_path = os.path.join(os.path.dirname(os.path.abspath(self.data_path)),
                                                 "cache")
+        check_writable("--data-cache-path", self.data_cache_path)
 
 
 _DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64",
@@ -327,20 +355,10 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = knob(None, "TensorBoard event directory")
 
     def resolve(self) -> None:
-        for flag, path in (("--metrics-file", self.metrics_file),
-                           ("--tensorboard-dir", self.tensorboard_dir)):
-            if path is None:
-                continue
-            parent = os.path.dirname(os.path.abspath(path)) if flag == "--metrics-file" else \
-                os.path.abspath(path)
-            probe = parent
-            while not os.path.exists(probe):
-                probe = os.path.dirname(probe)
-            if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-                raise ConfigError(flag, f"{path} cannot be written ({probe} is not a writable "
-                                        f"directory)")
-            if flag == "--metrics-file" and os.path.isdir(path):
-                raise ConfigError(flag, f"{path} is a directory")
+        if self.metrics_file is not None:
+            check_writable("--metrics-file", self.metrics_file, is_file=True)
+        if self.tensorboard_dir is not None:
+            check_writable("--tensorboard-dir", self.tensorboard_dir)
 
 
 @dataclass
@@ -363,6 +381,8 @@ class CheckpointConfig:
     def resolve(self) -> None:
         if self.save_interval is not None and self.save is None:
             raise ConfigError("--save-interval", "needs --save")
+        if self.save is not None:
+            check_writable("--save", self.save)
         if self.load is not None and not os.path.isdir(self.load) and not self.auto_resume:
             raise ConfigError("--load", f"{self.load} is not a directory")
 

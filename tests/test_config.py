@@ -128,6 +128,55 @@ def test_bad_files(small_model_argv, corpus_data, tmp_path):
                  "--metrics-file", "cannot be written")
 
 
+@pytest.mark.parametrize("extra,flag,value", [
+    (["--edgc-warmup-eps", "nan"], "--edgc-warmup-eps", "nan"),
+    (["--lr", "inf"], "--lr", "inf"),
+    (["--edgc-byte-budget=-inf"], "--edgc-byte-budget", "-inf"),
+    (["--edgc-link-gbps", "NaN"], "--edgc-link-gbps", "nan"),
+])
+def test_non_finite_floats_are_refused(small_model_argv, extra, flag, value):
+    message = expect_error(small_model_argv + extra, flag)
+    assert message == f"{flag}: must be a finite number (got {value})"
+
+
+def test_non_finite_yaml_values_are_refused(small_model_argv, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("training:\n  weight_decay: .nan\nedgc:\n  mode: edgc\n")
+    message = expect_error(small_model_argv + ["--config", str(cfg)], "--weight-decay")
+    assert message == "--weight-decay: must be a finite number (got nan)"
+    cfg.write_text("edgc:\n  warmup_eps: .inf\n")
+    message = expect_error(small_model_argv + ["--config", str(cfg)], "--edgc-warmup-eps")
+    assert message == "--edgc-warmup-eps: must be a finite number (got inf)"
+
+
+@pytest.mark.parametrize("flag,path", [
+    ("--save", "/proc/edgc-ckpt"),
+    ("--tensorboard-dir", "/proc/edgc-tb/run1"),
+    ("--metrics-file", "/proc/edgc-metrics/m.jsonl"),
+    ("--data-cache-path", "/proc/edgc-cache"),
+])
+def test_unwritable_output_paths_fail_before_training(small_model_argv, flag, path):
+    message = expect_error(small_model_argv + [flag, path], flag, "cannot be written")
+    assert path in message and "creating a file in /proc fails" in message
+    assert not os.path.exists(path)
+
+
+def test_output_path_that_is_a_file_is_refused(small_model_argv, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    expect_error(small_model_argv + ["--save", str(blocker)], "--save",
+                 "exists and is not a directory")
+    expect_error(small_model_argv + ["--save", str(blocker / "ckpt")], "--save",
+                 "is not a directory")
+    expect_error(small_model_argv + ["--metrics-file", str(tmp_path)], "--metrics-file",
+                 "is a directory")
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]
+    # A path that does not exist yet under a writable directory is fine, and not created.
+    cfg = parse_config(small_model_argv + ["--save", str(tmp_path / "a" / "b")])
+    assert cfg.checkpoint.save == str(tmp_path / "a" / "b")
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]
+
+
 def test_edgc_yaml_section_and_flags(small_model_argv, tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("edgc:\n  mode: static\n  rank: 16\n")
