@@ -273,6 +273,7 @@ class DataConfig:
             tokenizer = build_tokenizer(self.tokenizer_type, self.vocab_file)
         except (ValueError, OSError) as exc:
             raise ConfigError("--vocab-file", f"{exc}") from None
+        self.tokenizer_vocab_size = tokenizer.vocab_size  # not a knob: the shape check's
         if int(numpy.iinfo(token_dtype).max) + 1 < tokenizer.vocab_size:
             raise ConfigError("--vocab-file", f"the tokenizer has {tokenizer.vocab_size} ids, "
                                               f"more than {self.data_path}.bin can store: the "
@@ -570,6 +571,7 @@ class RunConfig:
                                                        f"--pipeline-model-parallel-size >= 2, got {pp}")
         if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
             raise ConfigError("--bucket-size", "must be >= 1")
+        self._check_compression_ranks()
         if self.checkpoint.load is not None:
             from megatron_edgc.training.checkpoint_files import preflight
 
@@ -577,6 +579,62 @@ class RunConfig:
             if problem:
                 raise ConfigError("--load", problem)
         return self
+
+    def _check_compression_ranks(self) -> None:
+        """A rank at which nothing of this model compresses trains dense while the user
+        believes compression is on: an error for the ranks in force (static DP rank, r_min,
+        PP ranks), a note for an r_max the controller clamps or leaves (EDGC mode). Fills
+        :attr:`compression_notes`, the start-up summary's lines."""
+        from megatron_edgc.model_shapes import (activation_grad_max_rank, compressibility,
+                                                largest_compressing_rank, stage_param_shapes)
+
+        e = self.edgc
+        self.compression_notes = []
+        stages = stage_param_shapes(self.model, self.parallel, self.data.tokenizer_vocab_size)
+        shapes = [s for stage in stages for s in stage]
+        rate = e.min_compression_rate
+        top = largest_compressing_rank(shapes, rate)
+        rule = (f"a matrix n x m compresses at rank r when r < min(n, m) and (n + m) r x "
+                f"{rate:g} <= n m (--edgc-min-compression-rate)")
+
+        def share(rank: int) -> str:
+            c = compressibility(shapes, rank, rate)
+            return (f"at rank {rank} {c.compressible} of {c.matrices} weight matrices compress "
+                    f"({100 * c.byte_share:.1f} % of the gradient bytes)")
+
+        def refuse(flag: str, rank: int) -> None:
+            raise ConfigError(flag, f"no weight matrix of this model compresses at rank {rank} "
+                                    f"({rule}); the largest rank at which one does is {top}")
+
+        if e.mode == "static":
+            if compressibility(shapes, e.rank, rate).compressible == 0:
+                refuse("--edgc-rank", e.rank)
+            self.compression_notes.append(f"DP compression (static): {share(e.rank)}")
+        elif e.mode == "edgc":
+            if compressibility(shapes, e.rank_min, rate).compressible == 0:
+                refuse("--edgc-rank-min", e.rank_min)
+            note = f"DP compression (edgc): {share(e.rank_max)} (r_max); {share(e.rank_min)} "                    f"(r_min)"
+            if compressibility(shapes, e.rank_max, rate).compressible == 0:
+                note += (f"; warning: nothing compresses at --edgc-rank-max {e.rank_max} "
+                         f"(largest compressing rank {top})")
+            self.compression_notes.append(note)
+        if e.pp_compression != "off":
+            limit = activation_grad_max_rank(self.model, self.training.micro_batch_size)
+            full = min(self.model.seq_length * self.training.micro_batch_size,
+                       self.model.hidden_size)
+            flag, rank = ("--edgc-pp-rank", e.pp_rank) if e.pp_compression == "static" else \
+                ("--edgc-pp-rank-max", e.pp_rank_max)
+            if rank > full:
+                raise ConfigError(flag, f"{rank} exceeds the full rank {full} of a backward "
+                                        f"activation gradient (sequence x micro-batch rows, "
+                                        f"hidden columns); ranks up to {limit} save bytes")
+            note = f"PP compression ({e.pp_compression}): backward sends at rank " + (
+                f"{e.pp_rank}" if e.pp_compression == "static" else
+                f"{e.pp_rank_min}..{e.pp_rank_max}") + f" (ranks up to {limit} save bytes)"
+            if rank > limit:
+                note += (f"; warning: at {flag} {rank} a send is no smaller than dense (full "
+                         f"rank {full} reproduces dense exactly)")
+            self.compression_notes.append(note)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(section) for name, section in self.sections()}

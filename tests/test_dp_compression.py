@@ -7,6 +7,8 @@ import torch
 
 from distributed import LAYOUTS, assert_dp_replicas_identical, read_jsonl, run_job
 from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from megatron_edgc.config import parse_config
+from megatron_edgc.model_shapes import stage_param_shapes
 
 RANK = 4
 
@@ -44,6 +46,16 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
         assert rec["dp_bytes_dense"] >= 4 * sum(t.numel() for t in logger["params"].values())
         assert rec["rank_dp"] == [RANK, RANK]
         assert rec["dp_bytes_sent"] < rec["dp_bytes_dense"] / 4
+    # The start-up check's shapes (from the config alone) are the model's: weight matrices
+    # exactly, and the element count of every stage.
+    cfg = parse_config(small_model_argv + LAYOUTS[layout] + ["--edgc-mode", "static"])
+    predicted = stage_param_shapes(cfg.model, cfg.parallel, cfg.data.tokenizer_vocab_size)
+    for r in results:
+        real = [tuple(t.shape) for t in r["params"].values()]
+        assert sorted(s for s in real if len(s) == 2) == \
+            sorted(s for s in predicted[r["pp"]] if len(s) == 2), (r["tp"], r["pp"])
+        assert sum(t.numel() for t in r["params"].values()) == \
+            sum(math.prod(s) for s in predicted[r["pp"]])
 
 
 def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):

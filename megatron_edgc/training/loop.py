@@ -394,6 +394,8 @@ class Trainer:
             log0(f"resumed from {ck.load} at iteration {self.iteration}")
         elif ck.load:
             log0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
+        for note in getattr(cfg, "compression_notes", []):
+            log0(note)
         writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, self.is_logger,
                                resume_from=self.iteration)
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
