@@ -27,7 +27,11 @@ def main(argv=None) -> int:
     from megatron_edgc.training.loop import worker_main  # heavy imports, once, before fork
 
     if launch is not None:
-        return worker_main(cfg, launch.rank, launch.world_size, launch.local_rank)
+        # torchrun: the elastic error file of this rank, so torchrun's report names the
+        # root cause (the first rank that failed) above its peers' consequences.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(worker_main)(cfg, launch.rank, launch.world_size, launch.local_rank)
     return spawn_local(lambda rank, world, local: worker_main(cfg, rank, world, local),
                        cfg.parallel.world_size, cfg.parallel.master_port)
 

@@ -118,3 +118,64 @@ def read_jsonl_lenient(path):
             except ValueError:
                 pass
     return out
+
+
+CRASHING_JOB = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+from megatron_edgc.training.launch import spawn_local
+
+def target(rank, world, local):
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if rank == 1:
+        raise ValueError("the disk is on fire")
+    dist.all_reduce(torch.ones(1))   # the peers wait for rank 1: closed connection
+    return 0
+
+sys.exit(spawn_local(target, 4))
+"""
+
+
+def test_the_failing_ranks_own_error_comes_first_and_once(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(CRASHING_JOB.format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 of 4 failed first: ValueError: the disk is on fire"], \
+        proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "raise ValueError" in proc.stderr
+    # The peers' consequences (gloo's closed connections) are not shown.
+    assert "gloo" not in proc.stderr.lower() and "Connection closed" not in proc.stderr
+
+
+def test_failed_save_says_so_once_and_keeps_the_last_checkpoint(small_model_argv, tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    # The save of iteration 10 cannot create its staging directory: a file is in the way.
+    (save / "iter_0000010.tmp").write_text("in the way")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *small_model_argv,
+         "--train-iters", "10", "--save", str(save), "--save-interval", "5",
+         "--edgc-mode", "static", "--edgc-rank", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: --save: saving iteration 10 failed on rank 0: "
+                                "FileExistsError: "), errors
+    assert errors[0].endswith(f"; the last complete checkpoint is iteration 5 in {save}, "
+                              f"intact"), errors
+    assert "Traceback" not in proc.stderr and "gloo" not in proc.stderr.lower()
+    # Iteration 5 is intact and loadable, the pointer still names it, nothing half-written.
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010.tmp",
+                                        "latest_checkpointed_iteration.txt"]
+    assert (save / "iter_0000010.tmp").read_text() == "in the way"
+    import torch
+
+    for name in os.listdir(save / "iter_0000005"):
+        state = torch.load(save / "iter_0000005" / name, weights_only=False)
+        assert state["iteration"] == 5

@@ -137,43 +137,102 @@ def layout_of(cfg) -> dict:
             "distributed_optimizer": p.use_distributed_optimizer}
 
 
+def _first_failed_rank(failed: bool) -> int:
+    """Collective: the lowest global rank that reports a failure, or -1 (every rank then
+    takes the same branch: nobody waits in a barrier for a rank that gave up)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    world = dist.get_world_size()
+    flag = torch.tensor([world - dist.get_rank() if failed else 0], dtype=torch.int64,
+                        device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return world - int(flag.item()) if int(flag.item()) else -1
+
+
+class SaveFailed(CheckpointError):
+    """A save that failed; ``secondary`` on the ranks that only learned of another's failure."""
+
+    def __init__(self, message: str, secondary: bool):
+        super().__init__(message)
+        self.secondary = secondary
+
+
 def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
-    """Collective: every rank calls it. Returns the final iteration directory."""
+    """Collective: every rank calls it. Returns the final iteration directory.
+
+    A failure on any rank (disk full, permissions, ...) is agreed on by all ranks; the
+    partial ``.tmp`` directory is removed, the previous checkpoint and the ``latest``
+    pointer are left as they were, and every rank raises :class:`SaveFailed` naming the
+    failing rank, its error and the last complete checkpoint.
+    """
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
+    cause = None
+
+    def attempt(step: Callable[[], None]) -> int:
+        nonlocal cause
+        if cause is None:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 (reported, agreed on, re-raised below)
+                cause = f"{type(exc).__name__}: {exc}"
+        return _first_failed_rank(cause is not None)
+
+    def prepare() -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    def write() -> None:
+        model_file, rank_file = _layout_names(tmp)
+        distributed_optimizer = cfg.parallel.use_distributed_optimizer
+        if parallel_state.get_data_parallel_rank() == 0:
+            torch.save({"iteration": iteration,
+                        "model": [chunk.state_dict() for chunk in bundle.chunks],
+                        "optimizer": None if distributed_optimizer
+                        else bundle.optimizer.state_dict(),
+                        "scheduler": bundle.scheduler.state_dict(),
+                        "layout": layout_of(cfg),
+                        "config": cfg.to_dict()}, model_file)
+        torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
+                    "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
+                               "pp": parallel_state.get_pipeline_model_parallel_rank(),
+                               "dp": parallel_state.get_data_parallel_rank()},
+                    "distributed_optimizer": distributed_optimizer_shard_state(bundle.optimizer)
+                    if distributed_optimizer else None,
+                    "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
+                   rank_file)
+
+    def publish() -> None:
+        if dist.get_rank() == 0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer = os.path.join(root, LATEST)
+            with open(pointer + ".tmp", "w") as fh:
+                fh.write(str(iteration))
+            os.replace(pointer + ".tmp", pointer)
+
+    for step in (prepare, write, publish):
+        failed_rank = attempt(step)
+        if failed_rank >= 0:
+            break
+    if failed_rank < 0:
+        return final
     if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_file, rank_file = _layout_names(tmp)
-    distributed_optimizer = cfg.parallel.use_distributed_optimizer
-    if parallel_state.get_data_parallel_rank() == 0:
-        torch.save({"iteration": iteration,
-                    "model": [chunk.state_dict() for chunk in bundle.chunks],
-                    "optimizer": None if distributed_optimizer else bundle.optimizer.state_dict(),
-                    "scheduler": bundle.scheduler.state_dict(),
-                    "layout": layout_of(cfg),
-                    "config": cfg.to_dict()}, model_file)
-    torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
-                "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
-                           "pp": parallel_state.get_pipeline_model_parallel_rank(),
-                           "dp": parallel_state.get_data_parallel_rank()},
-                "distributed_optimizer": distributed_optimizer_shard_state(bundle.optimizer)
-                if distributed_optimizer else None,
-                "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
-               rank_file)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = os.path.join(root, LATEST)
-        with open(pointer + ".tmp", "w") as fh:
-            fh.write(str(iteration))
-        os.replace(pointer + ".tmp", pointer)
-    dist.barrier()
-    return final
+    try:
+        last = read_latest_iteration(root)
+    except CheckpointError:
+        last = None
+    kept = f"the last complete checkpoint is iteration {last} in {root}, intact" \
+        if last is not None else f"no complete checkpoint in {root} yet"
+    if cause is not None:
+        raise SaveFailed(f"--save: saving iteration {iteration} failed on rank "
+                         f"{dist.get_rank()}: {cause}; {kept}", secondary=False)
+    raise SaveFailed(f"--save: saving iteration {iteration} failed on rank {failed_rank}; "
+                     f"{kept}", secondary=True)
 
 
 @torch.no_grad()

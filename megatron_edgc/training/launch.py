@@ -10,12 +10,17 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -57,20 +62,51 @@ def detect_launch_env(environ=None) -> Optional[LaunchEnv]:
     return None
 
 
+#: After the first worker fails, how long the others may take to end by themselves.
+STOP_GRACE_S = 5.0
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(target: Callable[[int, int, int], int], rank: int, world_size: int, port: int) -> None:
+def _child(target: Callable[[int, int, int], int], rank: int, world_size: int, port: int,
+           error_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    import torch
+    code = 1
+    try:
+        import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    os._exit(target(rank, world_size, rank))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        code = target(rank, world_size, rank)
+    except BaseException as exc:  # noqa: BLE001 (recorded for the parent, which reports it)
+        record_failure(error_dir, rank, exc)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def record_failure(error_dir: str, rank: int, exc: BaseException) -> None:
+    """This rank's error, with the time it was seen, for the parent's report."""
+    with open(os.path.join(error_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "time_ns": time.time_ns(),
+                   "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": "".join(traceback.format_exception(exc))}, fh)
+
+
+def first_failure(error_dir: str) -> Optional[dict]:
+    """The root cause: the earliest recorded error (its peers' errors — closed connections,
+    aborted collectives — come after it)."""
+    records = []
+    for name in os.listdir(error_dir):
+        with open(os.path.join(error_dir, name)) as fh:
+            records.append(json.load(fh))
+    return min(records, key=lambda r: r["time_ns"]) if records else None
 
 
 def spawn_local(target: Callable[[int, int, int], int], world_size: int,
@@ -79,29 +115,51 @@ def spawn_local(target: Callable[[int, int, int], int], world_size: int,
 
     Returns 0 if all succeeded, else the first non-zero exit code; a failed or
     interrupted job stops every other worker (they would wait in collectives forever).
+    An exception in a worker is not printed there: the earliest one of the job (the root
+    cause) is printed here, once, with its rank and traceback.
     """
     port = port or free_port()
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_child, args=(target, r, world_size, port), daemon=False)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    code = 0
-    try:
-        pending = {p.sentinel: p for p in procs}
-        while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending)):
-                p = pending.pop(sentinel)
-                p.join()
-                if p.exitcode != 0 and code == 0:
-                    code = p.exitcode if p.exitcode and p.exitcode > 0 else 1
-                    _stop(pending.values())
-    except KeyboardInterrupt:
-        _stop(procs)
-        code = 130
-    finally:
+    with tempfile.TemporaryDirectory(prefix="edgc-errors-") as error_dir:
+        procs = [ctx.Process(target=_child, args=(target, r, world_size, port, error_dir),
+                             daemon=False) for r in range(world_size)]
         for p in procs:
-            p.join(timeout=10)
+            p.start()
+        code, deadline, first_exit = 0, None, (None, 0)
+        try:
+            pending = {p.sentinel: p for p in procs}
+            while pending:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = multiprocessing.connection.wait(list(pending), timeout)
+                if not ready:  # the grace is over: the rest wait in collectives forever
+                    _stop(pending.values())
+                    break
+                for sentinel in ready:
+                    p = pending.pop(sentinel)
+                    p.join()
+                    if p.exitcode != 0 and code == 0:
+                        code = p.exitcode if p.exitcode and p.exitcode > 0 else 1
+                        first_exit = (procs.index(p), p.exitcode)
+                        # A handled error (a failed save) ends every rank by itself, the
+                        # failing one saying why: let them finish that before stopping.
+                        deadline = time.monotonic() + STOP_GRACE_S
+        except KeyboardInterrupt:
+            _stop(procs)
+            code = 130
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+        failure = first_failure(error_dir) if code not in (0, 130) else None
+    if code not in (0, 130) and first_exit[1] < 0 and (
+            failure is None or failure["rank"] != first_exit[0]):
+        print(f"error: rank {first_exit[0]} of {world_size} was killed by "
+              f"{signal.Signals(-first_exit[1]).name} first (the other ranks were stopped)",
+              file=sys.stderr, flush=True)
+    elif failure is not None:
+        print(f"error: rank {failure['rank']} of {world_size} failed first: "
+              f"{failure['error']}\n{failure['traceback'].rstrip()}\n"
+              f"(the other ranks were stopped; their errors followed from this one)",
+              file=sys.stderr, flush=True)
     return code
 
 

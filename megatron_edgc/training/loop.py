@@ -550,7 +550,8 @@ def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
         Trainer(cfg).run()
         return 0
     except ckpt.CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not getattr(exc, "secondary", False):  # the failing rank says it, once
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
         shutdown_worker()
