@@ -62,6 +62,9 @@ def detect_launch_env(environ=None) -> Optional[LaunchEnv]:
     return None
 
 
+#: Where a locally spawned worker records its error (set for the workers by spawn_local).
+ERROR_DIR_ENV = "EDGC_ERROR_DIR"
+
 #: After the first worker fails, how long the others may take to end by themselves.
 STOP_GRACE_S = 5.0
 
@@ -77,6 +80,7 @@ def _child(target: Callable[[int, int, int], int], rank: int, world_size: int, p
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    os.environ[ERROR_DIR_ENV] = error_dir
     code = 1
     try:
         import torch
@@ -84,17 +88,22 @@ def _child(target: Callable[[int, int, int], int], rank: int, world_size: int, p
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         code = target(rank, world_size, rank)
     except BaseException as exc:  # noqa: BLE001 (recorded for the parent, which reports it)
-        record_failure(error_dir, rank, exc)
+        record_failure(rank, exc)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
-def record_failure(error_dir: str, rank: int, exc: BaseException) -> None:
-    """This rank's error, with the time it was seen, for the parent's report."""
+def record_failure(rank: int, exc: BaseException, reported: bool = False) -> None:
+    """This rank's error, with the time it was seen, for the plain launcher's report
+    (a no-op under torchrun/srun). ``reported``: the rank printed it itself (a handled
+    error such as a bad checkpoint), so the launcher adds nothing when it came first."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if not error_dir or not os.path.isdir(error_dir):
+        return
     with open(os.path.join(error_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump({"rank": rank, "time_ns": time.time_ns(),
+        json.dump({"rank": rank, "time_ns": time.time_ns(), "reported": reported,
                    "error": f"{type(exc).__name__}: {exc}",
                    "traceback": "".join(traceback.format_exception(exc))}, fh)
 
@@ -155,7 +164,7 @@ def spawn_local(target: Callable[[int, int, int], int], world_size: int,
         print(f"error: rank {first_exit[0]} of {world_size} was killed by "
               f"{signal.Signals(-first_exit[1]).name} first (the other ranks were stopped)",
               file=sys.stderr, flush=True)
-    elif failure is not None:
+    elif failure is not None and not failure["reported"]:
         print(f"error: rank {failure['rank']} of {world_size} failed first: "
               f"{failure['error']}\n{failure['traceback'].rstrip()}\n"
               f"(the other ranks were stopped; their errors followed from this one)",

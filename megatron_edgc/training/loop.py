@@ -35,6 +35,7 @@ from megatron_edgc.training import zeroshot
 from megatron_edgc.training.data import (MicroBatchStream, build_gpt_datasets,
                                          split_document_texts)
 from megatron_edgc.training.edgc import EdgcDriver
+from megatron_edgc.training.launch import record_failure
 from megatron_edgc.training.model import build_model_and_optimizer
 from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -550,6 +551,7 @@ def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
         Trainer(cfg).run()
         return 0
     except ckpt.CheckpointError as exc:
+        record_failure(rank, exc, reported=True)
         if not getattr(exc, "secondary", False):  # the failing rank says it, once
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
