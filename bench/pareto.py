@@ -9,8 +9,9 @@ compressing at ``--edgc-start-iter`` = the iteration where EDGC's capped warm-up
 reports the final validation loss and the DP bytes per iteration *after* warm-up, summed
 from the per-iteration metrics (``dp_bytes_sent_job``). Dense and two static points run on
 ``--seeds`` seeds (data order and init), so the seed-to-seed spread of the final val loss
-is known and every claim is made against it. Finished runs are reused (their metrics files
-under ``runs/bench/pareto/TESTBED/``); delete a file to rerun it.
+is known and every claim is made against it. Finished runs are reused: their metrics files
+under ``runs/bench/pareto/TESTBED/``, or their committed records under
+``bench/results/pareto/runs/`` (a sweep continues across sessions); delete both to rerun.
 
 Writes ``bench/results/pareto/summary.json`` (one entry per run, computed from the metrics
 files), a plot per testbed and the BENCHMARKS.md section.
@@ -92,7 +93,8 @@ def run_one(testbed: str, name: str, seed: int, flags: list) -> str:
     out = os.path.join(RUNS, testbed)
     os.makedirs(out, exist_ok=True)
     metrics = os.path.join(out, f"{name}-s{seed}.jsonl")
-    if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json"):
+    if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json") or \
+            os.path.exists(run_record_path(testbed, name, seed)):
         return metrics
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *tb["flags"],
            "--train-iters", str(tb["iters"]), "--lr-warmup-iters", "40",
@@ -104,8 +106,18 @@ def run_one(testbed: str, name: str, seed: int, flags: list) -> str:
     return metrics
 
 
+def run_record_path(testbed: str, name: str, seed: int) -> str:
+    return os.path.join(RESULTS, "runs", testbed, f"{name}-s{seed}.json")
+
+
 def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: str) -> dict:
-    """One summary.json entry, from the run's metrics files only."""
+    """One summary.json entry, from the run's metrics files only (also written, with the
+    run's loss curves, to ``bench/results/pareto/runs/``: the committed record of a run,
+    so a sweep continues in a later session on another machine without retraining it)."""
+    record_path = run_record_path(testbed, name, seed)
+    if not os.path.exists(metrics) and os.path.exists(record_path):
+        with open(record_path) as fh:
+            return json.load(fh)["entry"]
     with open(metrics) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     with open(os.path.splitext(metrics)[0] + ".summary.json") as fh:
@@ -117,12 +129,24 @@ def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: 
     after = [r for r in records if r["iteration"] > warmup_end]
     ranks = [numpy.mean([x for x in r["rank_dp"] if x is not None]) for r in after
              if r.get("rank_dp") and any(x is not None for x in r["rank_dp"])]
-    return {"testbed": testbed, "name": name, "controller": controller, "seed": seed,
-            "val_loss": summary["val_loss"],
-            "dp_bytes_sent": int(sum(r["dp_bytes_sent_job"] for r in after)),
-            "dp_bytes_dense": int(sum(r["dp_bytes_dense_job"] for r in after)),
-            "warmup_end_iter": warmup_end, "iterations_after_warmup": len(after),
-            "mean_rank_after_warmup": float(numpy.mean(ranks)) if ranks else None}
+    entry = {"testbed": testbed, "name": name, "controller": controller, "seed": seed,
+             "val_loss": summary["val_loss"],
+             "dp_bytes_sent": int(sum(r["dp_bytes_sent_job"] for r in after)),
+             "dp_bytes_dense": int(sum(r["dp_bytes_dense_job"] for r in after)),
+             "warmup_end_iter": warmup_end, "iterations_after_warmup": len(after),
+             "mean_rank_after_warmup": float(numpy.mean(ranks)) if ranks else None}
+    os.makedirs(os.path.dirname(record_path), exist_ok=True)
+    with open(record_path, "w") as fh:
+        json.dump({"entry": entry,
+                   "val_loss": [[r["iteration"], r["val_loss"]] for r in records
+                                if r.get("val_loss") is not None],
+                   "train_loss_per_100": [[r["iteration"], round(float(numpy.mean(
+                       [x["loss"] for x in records[max(0, i - 99):i + 1]])), 5)]
+                       for i, r in enumerate(records) if r["iteration"] % 100 == 0],
+                   "rank_dp_shapes": {str(r["iteration"]): r["rank_dp_shapes"]
+                                      for r in records if r.get("rank_dp_shapes")
+                                      and (r["iteration"] - 1) % 40 == 0}}, fh)
+    return entry
 
 
 def aggregate(entries: list) -> dict:
@@ -277,7 +301,8 @@ def main() -> int:
             metrics = os.path.join(RUNS, testbed, f"{name}-s{seed}.jsonl")
             if not args.report_only:
                 metrics = run_one(testbed, name, seed, flags)
-            if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json"):
+            if os.path.exists(os.path.splitext(metrics)[0] + ".summary.json") or \
+                    os.path.exists(run_record_path(testbed, name, seed)):
                 entries.append(summarize_run(testbed, name, controller, seed, metrics))
     with open(os.path.join(RESULTS, "summary.json"), "w") as fh:
         json.dump(entries, fh, indent=1)
