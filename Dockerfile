@@ -26,7 +26,7 @@ RUN pip install "megatron-core==0.16.1" "numpy>=1.26" "pyyaml>=6" "tensorboard>=
  && pip install --no-deps -e .
 
 COPY pretrain_gpt2_edgc.py ./
-COPY configs ./configs
+RUN ln -s megatron_edgc/configs configs   # the YAML configs ship in the package
 COPY scripts ./scripts
 COPY bench ./bench
 COPY tests ./tests

@@ -1,18 +1,5 @@
-"""Console entry points (``edgc-pretrain``, ``edgc-prepare-data``)."""
+"""Console entry points (``edgc-pretrain``, ``edgc-prepare-data``): the package's own
+modules, so a wheel install needs nothing from the source tree."""
 
-import os
-import runpy
-import sys
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def main() -> int:
-    sys.path.insert(0, _ROOT)
-    from pretrain_gpt2_edgc import main as pretrain
-
-    return pretrain()
-
-
-def prepare_data() -> None:
-    runpy.run_path(os.path.join(_ROOT, "scripts", "prepare_data.py"), run_name="__main__")
+from megatron_edgc.prepare_data import main as prepare_data  # noqa: F401
+from megatron_edgc.pretrain import main  # noqa: F401

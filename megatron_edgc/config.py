@@ -23,8 +23,10 @@ from typing import Any, Optional
 import numpy
 import yaml
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "tiny-cpu.yaml")
+#: The tiny CPU default, shipped in the package (``configs/`` at the top of the source
+#: tree links here).
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                              "tiny-cpu.yaml")
 
 
 class ConfigError(ValueError):
