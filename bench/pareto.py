@@ -47,6 +47,14 @@ TESTBEDS = {
                      iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
     # (c) the tiny default's own layout, TP1·PP2·DP2: per-stage ranks show
     "tiny-pp2": dict(flags=[], iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
+    # The entropy question's regime test: (a) with a constant LR after warm-up (no decay,
+    # under which the gradient norm, and with it the entropy, rises here): does the
+    # paper's EDGC lower the rank, and at what loss? Dense and the paper's EDGC only.
+    "tiny-dp4-constant-lr": dict(flags=["--pipeline-model-parallel-size", "1",
+                                        "--data-parallel-size", "4",
+                                        "--lr-decay-style", "constant"],
+                                 iters=800, r_max=8, static=[8], seeded_static=[8, 4],
+                                 only=("dense", "paper")),
     # (b) configs/gpt2-small-cpu.yaml (6 layers, hidden 256) on 4 DP replicas
     "small-dp4": dict(flags=["--config", "configs/gpt2-small-cpu.yaml",
                              "--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"],
@@ -84,6 +92,8 @@ def plan(testbed: str, seeds: int) -> list:
                                "--edgc-byte-budget", "0.25"]))
     runs += [("budget50-lr", "budget", seed, budget50_lr)
              for seed in range(SEED0 + 1, SEED0 + seeds)]
+    if "only" in tb:
+        runs = [r for r in runs if r[0] in tb["only"] and r[2] == SEED0]
     return runs
 
 
