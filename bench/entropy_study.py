@@ -164,7 +164,7 @@ def main() -> int:
             f"\n\nCorrelation of stage 0's sampled entropy with ln(global gradient norm) on the "
             f"measured iterations: {facts['corr_entropy_log_gradnorm']:.3f}. Validation loss: "
             f"{val}.\n\n![entropy study](bench/results/entropy_study/entropy.png)\n\n"
-            "<!-- paragraph -->")
+            "<!-- notes -->")
     write_section("entropy_study", "The entropy question: does gradient entropy fall?",
                   "python bench/entropy_study.py", body)
     print(json.dumps(facts, indent=1))

@@ -292,7 +292,7 @@ def report(testbeds: list, entries: list) -> None:
             "controller (`budget50`: r_max, half of its bytes; `budget50-lr`: the same mean "
             "budget following sqrt(LR); `budget25-rmax…`: twice r_max, a quarter of those "
             "bytes) are marked. A difference inside the seed spread is no "
-            "difference.\n\n" + "\n\n".join(parts))
+            "difference.\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",
                   "python bench/pareto.py", body)
 

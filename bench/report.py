@@ -38,11 +38,19 @@ def machine() -> str:
 
 def write_section(name: str, title: str, command: str, body: str) -> None:
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    text = open(BENCHMARKS).read() if os.path.exists(BENCHMARKS) else HEADER
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    # The written analysis (between the notes markers) survives a rerun: the body's
+    # ``<!-- notes -->`` placeholder takes the previous section's notes.
+    n_start, n_end = f"<!-- notes:{name} -->", f"<!-- /notes:{name} -->"
+    old = pattern.search(text)
+    notes = re.search(re.escape(n_start) + "(.*?)" + re.escape(n_end), old.group(0), re.S) \
+        if old else None
+    body = body.replace("<!-- notes -->", f"{n_start}{notes.group(1) if notes else chr(10)}"
+                                          f"{n_end}")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (f"{start}\n## {title}\n\n`{command}` — {stamp}; {machine()}\n\n"
                f"{body.strip()}\n{end}")
-    text = open(BENCHMARKS).read() if os.path.exists(BENCHMARKS) else HEADER
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else \
         text.rstrip() + "\n\n" + section + "\n"
     with open(BENCHMARKS, "w") as fh:
