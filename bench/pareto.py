@@ -47,14 +47,17 @@ TESTBEDS = {
                      iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
     # (c) the tiny default's own layout, TP1·PP2·DP2: per-stage ranks show
     "tiny-pp2": dict(flags=[], iters=800, r_max=8, static=[1, 2, 4, 8, 16], seeded_static=[8, 4]),
-    # The entropy question's regime test: (a) with a constant LR after warm-up (no decay,
-    # under which the gradient norm, and with it the entropy, rises here): does the
-    # paper's EDGC lower the rank, and at what loss? Dense and the paper's EDGC only.
-    "tiny-dp4-constant-lr": dict(flags=["--pipeline-model-parallel-size", "1",
-                                        "--data-parallel-size", "4",
-                                        "--lr-decay-style", "constant"],
-                                 iters=800, r_max=8, static=[8], seeded_static=[8, 4],
-                                 only=("dense", "paper")),
+    # The entropy question's regime test: the only phase in which the sampled entropy
+    # falls on (a) is iterations ~1-80 (BENCHMARKS.md, the entropy study). The paper's
+    # EDGC with its warm-up capped at 20 and 20-iteration windows decides there: does it
+    # lower the rank, and at what loss against dense? Dense and the paper's EDGC only.
+    "tiny-dp4-early": dict(flags=["--pipeline-model-parallel-size", "1",
+                                  "--data-parallel-size", "4"],
+                           iters=800, r_max=8, static=[8], seeded_static=[8, 4],
+                           edgc=["--edgc-mode", "edgc", "--edgc-window", "20",
+                                 "--edgc-iter-sample-rate", "0.25", "--edgc-rank-min", "1",
+                                 "--edgc-rank-step", "2", "--edgc-warmup-max-iters", "20"],
+                           only=("dense", "paper")),
     # (b) configs/gpt2-small-cpu.yaml (6 layers, hidden 256) on 4 DP replicas
     "small-dp4": dict(flags=["--config", "configs/gpt2-small-cpu.yaml",
                              "--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"],
@@ -71,7 +74,7 @@ def plan(testbed: str, seeds: int) -> list:
     tb = TESTBEDS[testbed]
     r_max = tb["r_max"]
     static = ["--edgc-mode", "static", "--edgc-start-iter", str(WARMUP_END)]
-    edgc = EDGC_FLAGS + ["--edgc-rank-max", str(r_max)]
+    edgc = tb.get("edgc", EDGC_FLAGS) + ["--edgc-rank-max", str(r_max)]
     budget50 = edgc + ["--edgc-controller", "budget", "--edgc-byte-budget", "0.5"]
     budget50_lr = budget50 + ["--edgc-budget-schedule", "lr"]
     seeded = tb["seeded_static"]
