@@ -4,8 +4,9 @@ GPT trains, when, and why (not)?
 
     python bench/entropy_study.py [--report-only]
 
-Trains the tiny default (TP1·PP2·DP1, dense DP sync: EDGC's warm-up never ends, so the
-sampler runs on every 10th iteration without ever compressing) with ``--edgc-grad-stats``:
+Trains the tiny default (TP1·PP2·DP1, dense DP sync: EDGC's warm-up never ends — no ε
+reached, its cap beyond the run — so the sampler runs on every 10th iteration without
+ever compressing; the report refuses a run that compressed) with ``--edgc-grad-stats``:
 per stage the sampled Gaussian entropy, the skewness and excess kurtosis of the sampled
 gradient, the entropy per layer type (attention, MLP, embedding, norms), and the global
 gradient norm every iteration. Checkpoints every 250 iterations and resumes from them, so
@@ -39,7 +40,8 @@ def train(iters: int) -> None:
            "--train-iters", str(iters), "--lr-warmup-iters", "40",
            "--eval-interval", "250", "--log-interval", "250",
            "--edgc-mode", "edgc", "--edgc-window", "100", "--edgc-iter-sample-rate", "0.1",
-           "--edgc-warmup-eps", "1e-9", "--edgc-grad-stats",
+           "--edgc-warmup-eps", "1e-9", "--edgc-warmup-max-iters", str(iters + 1),
+           "--edgc-grad-stats",
            "--save", os.path.join(OUT, "ckpt"), "--load", os.path.join(OUT, "ckpt"),
            "--save-interval", "250", "--metrics-file", METRICS]
     os.makedirs(OUT, exist_ok=True)
@@ -48,7 +50,12 @@ def train(iters: int) -> None:
 
 def load() -> list:
     with open(METRICS) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        records = [json.loads(line) for line in fh if line.strip()]
+    compressed = [r["iteration"] for r in records if any(x is not None for x in r["rank_dp"])]
+    if compressed:  # the study is of dense training: the warm-up must never end
+        raise SystemExit(f"{METRICS}: compressed from iteration {compressed[0]}; not a dense "
+                         f"run (delete {OUT} and rerun)")
+    return records
 
 
 def window_means(records, key_fn, width=250):
