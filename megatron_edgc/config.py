@@ -615,7 +615,8 @@ class RunConfig:
         elif e.mode == "edgc":
             if compressibility(shapes, e.rank_min, rate).compressible == 0:
                 refuse("--edgc-rank-min", e.rank_min)
-            note = f"DP compression (edgc): {share(e.rank_max)} (r_max); {share(e.rank_min)} "                    f"(r_min)"
+            note = (f"DP compression (edgc): r_max: {share(e.rank_max)}; "
+                    f"r_min: {share(e.rank_min)}")
             if compressibility(shapes, e.rank_max, rate).compressible == 0:
                 note += (f"; warning: nothing compresses at --edgc-rank-max {e.rank_max} "
                          f"(largest compressing rank {top})")

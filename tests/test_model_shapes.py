@@ -78,7 +78,11 @@ def test_refused_ranks_name_the_flag(small_model_argv):
     # r_max beyond every matrix but r_min fine: allowed, with the warning in the notes.
     cfg = parse_config(small_model_argv + ["--edgc-mode", "edgc", "--edgc-rank-max", "200",
                                            "--edgc-rank-min", "4"])
-    assert "warning: nothing compresses at --edgc-rank-max 200" in cfg.compression_notes[0]
+    assert cfg.compression_notes[0].startswith(
+        "DP compression (edgc): r_max: at rank 200 0 of 19 weight matrices compress (0.0 % of "
+        "the gradient bytes); r_min: at rank 4 19 of 19")
+    assert cfg.compression_notes[0].endswith(
+        "; warning: nothing compresses at --edgc-rank-max 200 (largest compressing rank 31)")
     # PP: micro-batch 2 x sequence 64 = 128 rows, hidden 64 -> 128*64/(192) -> 42 saves
     # bytes; full rank 64 reproduces dense (a test mode: allowed, with a warning); beyond
     # full rank nothing changes: refused.
