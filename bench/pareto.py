@@ -8,8 +8,9 @@ Per testbed every run trains from scratch with the same dense warm-up (static ru
 compressing at ``--edgc-start-iter`` = the iteration where EDGC's capped warm-up ends), and
 reports the final validation loss and the DP bytes per iteration *after* warm-up, summed
 from the per-iteration metrics (``dp_bytes_sent_job``). Dense and two static points run on
-``--seeds`` seeds (data order and init), so the seed-to-seed spread of the final val loss
-is known and every claim is made against it. Finished runs are reused: their metrics files
+``--seeds`` seeds (data order and init). A seed moves every run of it together (its own
+data order and init: ~0.09 in val loss between two seeds here), so every claim is a
+*paired* difference (same seed) made against the seed-to-seed spread of such differences. Finished runs are reused: their metrics files
 under ``runs/bench/pareto/TESTBED/``, or their committed records under
 ``bench/results/pareto/runs/`` (a sweep continues across sessions); delete both to rerun.
 
@@ -163,7 +164,8 @@ def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: 
 
 
 def aggregate(entries: list) -> dict:
-    """name -> mean val loss, its seed std (None for one seed), bytes/iteration."""
+    """name -> per-seed val losses and bytes/iteration, their means, and the paired
+    differences against static r_max of the same seed (filled by :func:`pair`)."""
     by_name: dict = {}
     for e in entries:
         by_name.setdefault(e["name"], []).append(e)
@@ -172,6 +174,9 @@ def aggregate(entries: list) -> dict:
         losses = [r["val_loss"] for r in rows]
         out[name] = {
             "controller": rows[0]["controller"], "n": len(rows),
+            "by_seed": {r["seed"]: r["val_loss"] for r in rows},
+            "bytes_by_seed": {r["seed"]: r["dp_bytes_sent"] / r["iterations_after_warmup"]
+                              for r in rows},
             "val_loss": float(numpy.mean(losses)),
             "std": float(numpy.std(losses, ddof=1)) if len(rows) > 1 else None,
             "bytes_per_iter": float(numpy.mean([r["dp_bytes_sent"] / r["iterations_after_warmup"]
@@ -183,22 +188,41 @@ def aggregate(entries: list) -> dict:
     return out
 
 
-def static_curve_at(agg: dict, bytes_per_iter: float):
-    """The static Pareto curve's val loss at a byte count (linear in log bytes)."""
-    pts = sorted((v["bytes_per_iter"], v["val_loss"]) for v in agg.values()
-                 if v["controller"] == "static")
-    if not pts or not pts[0][0] <= bytes_per_iter <= pts[-1][0]:
+def static_curve_at(agg: dict, bytes_per_iter: float, seed: int):
+    """The static Pareto curve of one seed at a byte count (linear in log bytes), or None
+    outside the static points that seed has."""
+    pts = sorted((v["bytes_by_seed"][seed], v["by_seed"][seed]) for v in agg.values()
+                 if v["controller"] == "static" and seed in v["by_seed"])
+    if len(pts) < 2 or not pts[0][0] <= bytes_per_iter <= pts[-1][0]:
         return None
     xs = [math.log(x) for x, _ in pts]
     return float(numpy.interp(math.log(bytes_per_iter), xs, [y for _, y in pts]))
 
 
+def paired(agg: dict, name: str, ref: str) -> list:
+    """``val_loss(name) - val_loss(ref)`` for every seed both have (same data order and
+    init: the seed's own offset, common to every run of it, cancels)."""
+    a, b = agg[name]["by_seed"], agg[ref]["by_seed"]
+    return [a[s] - b[s] for s in sorted(a) if s in b]
+
+
+def paired_spread(agg: dict, r_max: int):
+    """The noise of a paired difference: the pooled seed-to-seed std of the differences
+    of the multi-seed runs against static r_max (None with fewer than 2 seeds)."""
+    ref = f"static-r{r_max}"
+    if ref not in agg:
+        return None
+    stds = [float(numpy.std(d, ddof=1)) for name in agg if name != ref
+            for d in [paired(agg, name, ref)] if len(d) > 1]
+    return float(numpy.sqrt(numpy.mean(numpy.square(stds)))) if stds else None
+
+
 def verdicts(testbed: str, agg: dict) -> tuple:
-    """The issue's targets against static r_max, with the seed spread."""
+    """The issue's targets against static r_max and the static curve, as paired (same
+    seed) differences, against the paired spread."""
     r_max = TESTBEDS[testbed]["r_max"]
     ref = agg.get(f"static-r{r_max}")
-    stds = [v["std"] for v in agg.values() if v["std"] is not None]
-    spread = float(numpy.mean(stds)) if stds else None
+    spread = paired_spread(agg, r_max)
     lines = []
     if ref is None or spread is None:
         return spread, ["static r_max or the seeded runs are missing: no verdict yet"]
@@ -206,45 +230,55 @@ def verdicts(testbed: str, agg: dict) -> tuple:
         if v["controller"] not in ("paper", "budget"):
             continue
         ratio = v["bytes_per_iter"] / ref["bytes_per_iter"]
-        d_ref = v["val_loss"] - ref["val_loss"]
-        curve = static_curve_at(agg, v["bytes_per_iter"])
-        d_curve = None if curve is None else v["val_loss"] - curve
-        a = ratio <= 0.6 and d_ref <= spread
-        b = d_curve is not None and d_curve < -2 * spread
-        lines.append(
-            f"| {name} (n={v['n']}) | {ratio:.2f} | {d_ref:+.4f} | "
-            f"{'—' if d_curve is None else format(d_curve, '+.4f')} | "
-            f"{'met' if a else 'not met'} | {'met' if b else 'not met'} |")
+        d_ref = paired(agg, name, f"static-r{r_max}")
+        d_curve = [v["by_seed"][s] - c for s in sorted(v["by_seed"])
+                   for c in [static_curve_at(agg, v["bytes_by_seed"][s], s)] if c is not None]
+        m_ref = float(numpy.mean(d_ref)) if d_ref else None
+        m_curve = float(numpy.mean(d_curve)) if d_curve else None
+        a = m_ref is not None and ratio <= 0.6 and m_ref <= spread
+        b = m_curve is not None and m_curve < -2 * spread
+
+        def fmt(d, m):
+            return "—" if m is None else f"{m:+.4f} (seeds: {', '.join(f'{x:+.4f}' for x in d)})"
+        lines.append(f"| {name} (n={v['n']}) | {ratio:.2f} | {fmt(d_ref, m_ref)} | "
+                     f"{fmt(d_curve, m_curve)} | {'met' if a else 'not met'} | "
+                     f"{'met' if b else 'not met'} |")
     return spread, lines
 
 
 def plot(testbed: str, agg: dict, path: str) -> None:
+    """Seed-0 runs (every run has it); error bars: the paired spread, the noise of a
+    comparison between two runs of one seed (seeds move every run together)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    spread = paired_spread(agg, TESTBEDS[testbed]["r_max"]) or 0.0
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2 ** 20
-    static = sorted(((v["bytes_per_iter"], v, k) for k, v in agg.items()
-                     if v["controller"] == "static"), key=lambda t: t[0])
-    ax.errorbar([b / mib for b, _, _ in static], [v["val_loss"] for _, v, _ in static],
-                yerr=[v["std"] or 0 for _, v, _ in static], fmt="o-", color="tab:blue",
-                capsize=3, label="static PowerSGD (Pareto curve)")
-    for b, v, k in static:
-        ax.annotate(k.replace("static-", ""), (b / mib, v["val_loss"]), fontsize=8,
+    static = sorted(((v["bytes_by_seed"][SEED0], v["by_seed"][SEED0], k)
+                     for k, v in agg.items()
+                     if v["controller"] == "static" and SEED0 in v["by_seed"]))
+    if static:
+        ax.errorbar([b / mib for b, _, _ in static], [y for _, y, _ in static],
+                    yerr=spread, fmt="o-", color="tab:blue", capsize=3,
+                    label="static PowerSGD (Pareto curve)")
+    for b, y, k in static:
+        ax.annotate(k.replace("static-", ""), (b / mib, y), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
     styles = {"dense": ("s", "black"), "paper": ("^", "tab:red"), "budget": ("*", "tab:green")}
     for k, v in agg.items():
-        if v["controller"] == "static":
+        if v["controller"] == "static" or SEED0 not in v["by_seed"]:
             continue
         marker, color = styles[v["controller"]]
-        ax.errorbar([v["bytes_per_iter"] / mib], [v["val_loss"]], yerr=[v["std"] or 0],
+        ax.errorbar([v["bytes_by_seed"][SEED0] / mib], [v["by_seed"][SEED0]], yerr=spread,
                     fmt=marker, color=color, markersize=11 if marker == "*" else 8, capsize=3,
-                    label=f"{k} (n={v['n']})")
+                    label=k)
     ax.set_xscale("log")
     ax.set_xlabel("DP MiB per iteration after warm-up (whole job, log)")
-    ax.set_ylabel("final validation loss")
-    ax.set_title(f"{testbed}: loss against bytes (error bars: seed std)")
+    ax.set_ylabel(f"final validation loss (seed {SEED0})")
+    ax.set_title(f"{testbed}: loss against bytes (error bars: paired spread "
+                 f"{spread:.4f})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -265,26 +299,36 @@ def report(testbeds: list, entries: list) -> None:
         plot(testbed, agg, png)
         dense = agg.get("dense")
         ref = agg.get(f"static-r{tb['r_max']}")
-        lines = ["| run | seeds | final val loss (mean ± std) | vs dense | DP MiB/iter after "
-                 "warm-up | bytes vs static r_max | mean rank after warm-up |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| run | seeds | final val loss (mean ± std over seeds) | vs dense, same seed "
+                 "| vs static r_max, same seed | DP MiB/iter after warm-up | bytes vs static "
+                 "r_max | mean rank after warm-up |", "|---|---|---|---|---|---|---|---|"]
         order = sorted(agg.items(), key=lambda kv: -kv[1]["bytes_per_iter"])
         for name, v in order:
             pm = f" ± {v['std']:.4f}" if v["std"] is not None else ""
-            vs = f"{100 * (v['val_loss'] / dense['val_loss'] - 1):+.2f} %" if dense else "—"
+            vs = "—"
+            if dense:
+                d = [100 * x / dense["by_seed"][s] for s, x in
+                     zip(sorted(s for s in v["by_seed"] if s in dense["by_seed"]),
+                         paired(agg, name, "dense"))]
+                vs = f"{numpy.mean(d):+.2f} %" if d else "—"
+            dr = paired(agg, name, f"static-r{tb['r_max']}") if ref else []
+            vr = f"{numpy.mean(dr):+.4f}" + (f" ± {numpy.std(dr, ddof=1):.4f}"
+                                             if len(dr) > 1 else "") if dr else "—"
             rb = f"{v['bytes_per_iter'] / ref['bytes_per_iter']:.2f}" if ref else "—"
             rank = "—" if v["rank"] is None else f"{v['rank']:.2f}"
-            lines.append(f"| {name} | {v['n']} | {v['val_loss']:.4f}{pm} | {vs} | "
+            lines.append(f"| {name} | {v['n']} | {v['val_loss']:.4f}{pm} | {vs} | {vr} | "
                          f"{v['bytes_per_iter'] / 2**20:.3f} | {rb} | {rank} |")
         spread, verdict = verdicts(testbed, agg)
         flags = " ".join(tb["flags"]) or "configs/tiny-cpu.yaml as it is (TP1·PP2·DP2)"
         parts.append(
             f"### {testbed}\n\n`{flags}`, {tb['iters']} iterations, dense until iteration "
             f"{WARMUP_END} in every run.\n\n" + "\n".join(lines) +
-            f"\n\nSeed spread (mean of the seeded runs' std of the final val loss): "
+            f"\n\nPaired spread (pooled seed-to-seed std of the multi-seed runs' "
+            f"differences against static r_max of the same seed; a seed's own offset, "
+            f"common to all its runs, cancels): "
             f"{'n/a' if spread is None else format(spread, '.4f')}.\n\n"
-            "| adaptive run | bytes / static r_max | Δ val loss vs static r_max | Δ vs the "
-            "static curve at equal bytes | target A (≤ 0.60 of the bytes, loss within the "
+            "| adaptive run | bytes / static r_max | Δ val loss vs static r_max (same seed) "
+            "| Δ vs the same seed's static curve at equal bytes | target A (≤ 0.60 of the bytes, loss within the "
             "spread) | target B (below the curve by > 2× spread) |\n|---|---|---|---|---|---|\n"
             + ("\n".join(verdict) if verdict and verdict[0].startswith("|") else
                "| — | | | | | |\n\n" + " ".join(verdict)) +
