@@ -121,13 +121,15 @@ def read_jsonl_lenient(path):
 
 
 CRASHING_JOB = """
-import sys, torch, torch.distributed as dist
+import os, signal, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from megatron_edgc.training.launch import spawn_local
 
 def target(rank, world, local):
     dist.init_process_group("gloo")
     dist.barrier()
+    if rank == 1 and {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1:
         raise ValueError("the disk is on fire")
     dist.all_reduce(torch.ones(1))   # the peers wait for rank 1: closed connection
@@ -139,7 +141,7 @@ sys.exit(spawn_local(target, 4))
 
 def test_the_failing_ranks_own_error_comes_first_and_once(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(CRASHING_JOB.format(root=ROOT))
+    script.write_text(CRASHING_JOB.format(root=ROOT, kill=False))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1
@@ -149,6 +151,18 @@ def test_the_failing_ranks_own_error_comes_first_and_once(tmp_path):
     assert proc.stderr.count("Traceback") == 1 and "raise ValueError" in proc.stderr
     # The peers' consequences (gloo's closed connections) are not shown.
     assert "gloo" not in proc.stderr.lower() and "Connection closed" not in proc.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(CRASHING_JOB.format(root=ROOT, kill=True))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 of 4 was killed by SIGKILL first (the other ranks were "
+                      "stopped)"], proc.stderr
+    assert "Traceback" not in proc.stderr and "gloo" not in proc.stderr.lower()
 
 
 def test_failed_save_says_so_once_and_keeps_the_last_checkpoint(small_model_argv, tmp_path):
