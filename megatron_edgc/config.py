@@ -582,18 +582,22 @@ class RunConfig:
                 raise ConfigError("--load", problem)
         return self
 
-    def _check_compression_ranks(self) -> None:
+    def _check_compression_ranks(self, shapes: Optional[list] = None) -> None:
         """A rank at which nothing of this model compresses trains dense while the user
         believes compression is on: an error for the ranks in force (static DP rank, r_min,
         PP ranks), a note for an r_max the controller clamps or leaves (EDGC mode). Fills
-        :attr:`compression_notes`, the start-up summary's lines."""
+        :attr:`compression_notes`, the start-up summary's lines. ``shapes``: every parameter
+        shape of the model (default: predicted from the config, GPT-2 as this project
+        builds it)."""
         from megatron_edgc.model_shapes import (activation_grad_max_rank, compressibility,
                                                 largest_compressing_rank, stage_param_shapes)
 
         e = self.edgc
         self.compression_notes = []
-        stages = stage_param_shapes(self.model, self.parallel, self.data.tokenizer_vocab_size)
-        shapes = [s for stage in stages for s in stage]
+        if shapes is None:
+            stages = stage_param_shapes(self.model, self.parallel,
+                                        self.data.tokenizer_vocab_size)
+            shapes = [s for stage in stages for s in stage]
         rate = e.min_compression_rate
         top = largest_compressing_rank(shapes, rate)
         rule = (f"a matrix n x m compresses at rank r when r < min(n, m) and (n + m) r x "

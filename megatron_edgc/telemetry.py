@@ -15,13 +15,16 @@ class MetricsWriter:
     """Writes records on the logging rank; a no-op elsewhere."""
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 enabled: bool, resume_from: int = 0):
+                 enabled: bool, resume_from: int = 0, *, tb_writer=None, tb_prefix: str = ""):
         """``resume_from`` > 0: continue an earlier run's file after that iteration; its
         records beyond it (a crashed attempt's) are dropped, so every iteration appears
-        once."""
+        once. ``tb_writer``: an open TensorBoard writer to add to (Megatron-LM's), its tags
+        prefixed with ``tb_prefix``; it is left open."""
         self.enabled = enabled
         self._fh = None
-        self._tb = None
+        self._tb = tb_writer
+        self._tb_owned = tb_writer is None
+        self._prefix = tb_prefix
         if not enabled:
             return
         if metrics_file:
@@ -40,7 +43,7 @@ class MetricsWriter:
                 fh.writelines(kept)
             os.replace(tmp, metrics_file)
             self._fh = open(metrics_file, "a", buffering=1)
-        if tensorboard_dir:
+        if tensorboard_dir and tb_writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
@@ -57,11 +60,11 @@ class MetricsWriter:
                     continue
                 if isinstance(value, (int, float)) and not isinstance(value, bool) \
                         and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(self._prefix + key, value, step)
                 elif isinstance(value, (list, tuple)):
                     for i, v in enumerate(value):
                         if isinstance(v, (int, float)) and math.isfinite(v):
-                            self._tb.add_scalar(f"{key}/stage{i}", v, step)
+                            self._tb.add_scalar(f"{self._prefix}{key}/stage{i}", v, step)
 
     def close(self) -> None:
         if self._fh is not None:
@@ -69,7 +72,8 @@ class MetricsWriter:
             self._fh = None
         if self._tb is not None:
             self._tb.flush()
-            self._tb.close()
+            if self._tb_owned:
+                self._tb.close()
             self._tb = None
 
 

@@ -125,6 +125,26 @@ def unregister_rank_state(name: str) -> None:
     _DP_INVARIANT.discard(name)
 
 
+def collect_rank_state() -> dict:
+    """Every registered extension's state on this rank: ``{name: state}``."""
+    return {name: save() for name, (save, _) in _RANK_STATE.items()}
+
+
+def restore_rank_state(saved: dict, dp_changed: bool) -> list:
+    """Load ``saved`` (from :func:`collect_rank_state`) into the registered extensions.
+    After a DP-size change only the DP-invariant ones are loaded; returns the names of
+    those left fresh."""
+    reset = []
+    for name, (_, load) in _RANK_STATE.items():
+        if name not in saved:
+            continue
+        if dp_changed and name not in _DP_INVARIANT:
+            reset.append(name)
+            continue
+        load(saved[name])
+    return reset
+
+
 def _global_rank(tp: int, pp: int, dp: int, layout: dict) -> int:
     """megatron-core 0.16.1's default rank order "tp-cp-ep-dp-pp" (cp = ep = 1)."""
     return tp + layout["tp"] * (dp + layout["dp"] * pp)
@@ -201,7 +221,7 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
                                "dp": parallel_state.get_data_parallel_rank()},
                     "distributed_optimizer": distributed_optimizer_shard_state(bundle.optimizer)
                     if distributed_optimizer else None,
-                    "extensions": {name: save() for name, (save, _) in _RANK_STATE.items()}},
+                    "extensions": collect_rank_state()},
                    rank_file)
 
     def publish() -> None:
@@ -286,14 +306,7 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
         bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(rank_state["rng"])
-    reset = []
-    for name, (_, load) in _RANK_STATE.items():
-        if name not in rank_state["extensions"]:
-            continue
-        if dp_changed and name not in _DP_INVARIANT:
-            reset.append(name)
-            continue
-        load(rank_state["extensions"][name])
+    reset = restore_rank_state(rank_state["extensions"], dp_changed)
     if dp_changed and dist.get_rank() == 0:
         message = (f"warning: resuming iteration {iteration} saved with DP {saved['dp']} on DP "
                    f"{ours['dp']}: per-replica state reset ({', '.join(reset) or 'none'}); "

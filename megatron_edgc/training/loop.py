@@ -24,17 +24,13 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
-from megatron_edgc.patches.ddp import DPGradientCompression
-from megatron_edgc.patches.p2p import CompressingP2PCommunicator
-from megatron_edgc.patches.timing import StageTimer
 from megatron_edgc.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training import zeroshot
 from megatron_edgc.training.data import (MicroBatchStream, build_gpt_datasets,
                                          split_document_texts)
-from megatron_edgc.training.edgc import EdgcDriver
+from megatron_edgc.training.edgc_runtime import EdgcRuntime
 from megatron_edgc.training.launch import record_failure
 from megatron_edgc.training.model import build_model_and_optimizer
 from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -72,45 +68,18 @@ class Trainer:
                                             p.tensor_model_parallel_size)
         self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
         self._wire_model_config()
-        self.dp_compression = self.edgc = None
-        if cfg.edgc.mode != "off":
-            self.dp_compression = DPGradientCompression(
-                self.bundle.chunks, self.dp_group, rank=cfg.edgc.rank,
-                min_compression_rate=cfg.edgc.min_compression_rate,
-                start_iter=cfg.edgc.start_iter, seed=cfg.training.seed,
-                bypass=cfg.edgc.bypass,
-                link=LinkModel.declared(cfg.edgc.link_gbps) if cfg.edgc.link_gbps else None)
-            ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
-                                     self.dp_compression.load_state_dict)
-        e, pp = cfg.edgc, p.pipeline_model_parallel_size
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.
-        self.timer = StageTimer(self.on_gpu)
-        self.timer.install()
-        self.bundle.config.finalize_model_grads_func = self.timer.timed_finalize(
-            finalize_model_grads)
-        if self.dp_compression is not None:
-            self.dp_compression.sync_end_hook = self.timer.mark_sync_end
         self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size,
                                  cfg.model.hidden_size)
-        self.p2p = None
-        if e.pp_compression != "off":
-            self.p2p = CompressingP2PCommunicator(
-                parallel_state.get_pipeline_model_parallel_group(), self.bundle.config,
-                num_microbatches=cfg.num_microbatches, num_chunks=len(self.bundle.chunks),
-                epilogue_only=e.pp_epilogue_only, seed=cfg.training.seed, timer=self.timer)
-            ckpt.register_rank_state("pp_compression", self.p2p.state_dict,
-                                     self.p2p.load_state_dict)
-        if e.mode == "edgc":
-            self.edgc = EdgcDriver(cfg, self.bundle.chunks, self.dp_compression,
-                                   stage=self.stage, num_stages=pp, device=self.device,
-                                   p2p=self.p2p, activation_shape=self.activation_shape,
-                                   lr_at=self._lr_at)
-            ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
-                                   dp_invariant=True)
-        self._dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
-                                   for c in self.bundle.chunks for g in c.bucket_groups
-                                   for b in g.buckets)
+        self.runtime = EdgcRuntime(
+            cfg, self.bundle.chunks, self.bundle.config, dp_group=self.dp_group,
+            pp_group=parallel_state.get_pipeline_model_parallel_group(), stage=self.stage,
+            num_stages=p.pipeline_model_parallel_size, num_microbatches=cfg.num_microbatches,
+            activation_shape=self.activation_shape, device=self.device, lr_at=self._lr_at)
+        self.bundle.config.finalize_model_grads_func = self.runtime.timed_finalize(
+            finalize_model_grads)
+        self.dp_compression, self.p2p, self.edgc = \
+            self.runtime.dp_compression, self.runtime.p2p, self.runtime.edgc
 
         t, e = cfg.training, cfg.eval
         gbs = t.global_batch_size
@@ -187,12 +156,7 @@ class Trainer:
         n_chunks = len(self.bundle.chunks)
         iters = [iter(stream.micro_batches(index)) for _ in range(n_chunks)]
         t, m = self.cfg.training, self.cfg.model
-        extra = {}
-        if self.p2p is not None:  # megatron-core's injection point for the communicator
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            extra = dict(p2p_communicator=self.p2p,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        extra = self.runtime.schedule_kwargs()
         return self.forward_backward(
             forward_step_func=forward_step_func or self._forward_step,
             data_iterator=iters if n_chunks > 1 else iters[0],
@@ -213,18 +177,7 @@ class Trainer:
         for chunk in self.bundle.chunks:
             chunk.zero_grad_buffer()
         self.bundle.optimizer.zero_grad()
-        if self.dp_compression is not None:
-            self.dp_compression.set_iteration(self.iteration)
-        if self.edgc is not None:
-            self.edgc.before_step(self.iteration)
-        if self.dp_compression is not None:
-            self.dp_compression.prepare_iteration()  # bypass decisions for this rank
-        if self.p2p is not None:
-            self.p2p.begin_iteration()
-            if self.cfg.edgc.pp_compression == "static":
-                e = self.cfg.edgc
-                self.p2p.set_rank(e.pp_rank if self.iteration >= e.start_iter else None, 0)
-        self.timer.begin_iteration()
+        self.runtime.begin_step(self.iteration)
         losses = self._run_schedule(self.train_stream, self.iteration, forward_only=False)
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
@@ -232,73 +185,7 @@ class Trainer:
         out = {"loss": self._dp_mean_loss(losses),
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "skipped": not update_ok}
-        out.update(self._dp_sync_record())
-        if self.edgc is not None:  # decides the next ranks
-            out.update(self.edgc.after_step(self.iteration, out))
-        return out
-
-    def _rank_per_stage(self, stats):
-        """The DP-sync rank in force this iteration, one entry per pipeline stage."""
-        if self.edgc is not None:
-            return self.edgc.applied_ranks(self.iteration)
-        if stats is None or not stats.compressed:
-            return None
-        return [self.dp_compression.rank] * self.cfg.parallel.pipeline_model_parallel_size
-
-    #: Per-stage timing columns of the per-iteration all-reduce.
-    _TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
-
-    def _dp_sync_record(self) -> dict:
-        """DP-sync and pipeline telemetry: this rank's bytes and times, the whole job's
-        bytes, and per-stage mean timings — one all-reduce over the job."""
-        st = self.dp_compression.stats if self.dp_compression is not None else None
-        sent = st.bytes_sent if st else self._dense_dp_bytes
-        dense = st.bytes_dense if st else self._dense_dp_bytes
-        pps = self.p2p.stats if self.p2p is not None else None
-        n_stages = self.cfg.parallel.pipeline_model_parallel_size
-        head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0]
-        times = torch.zeros(len(self._TIMES), 2, n_stages, dtype=torch.float64)
-        timing = self.timer.finish()
-        values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
-                  timing.sync_end_wall)
-        for i, v in enumerate(values):
-            if math.isfinite(v):
-                times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
-        totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1)])
-        totals = totals.to(self.device)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
-        rec = {"dp_bytes_sent": sent, "dp_bytes_dense": dense,
-               "dp_bytes_ratio": sent / dense if dense else 1.0,
-               "dp_bytes_sent_job": int(totals[0].item()),
-               "dp_bytes_dense_job": int(totals[1].item()),
-               "rank_dp": self._rank_per_stage(st)}
-        if pps is not None:
-            rec.update(pp_bytes_sent=pps.bytes_sent, pp_bytes_dense=pps.bytes_dense,
-                       pp_bytes_sent_job=int(totals[2].item()),
-                       pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
-            for event in pps.events:
-                print(f"iteration {self.iteration + 1}: {event}", flush=True)
-        sums = totals[4:].view(len(self._TIMES), 2, n_stages)
-        stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
-                             else float("nan") for s in range(n_stages)]
-                       for i, key in enumerate(self._TIMES)}
-        ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
-        rec.update(stage_times)  # per-stage means, identical on every rank (DAC reads them)
-        if len(ends) > 1:
-            rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
-        if st is not None:
-            rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
-                       dp_nonfinite_buckets=st.nonfinite_buckets,
-                       dp_bypassed_buckets=st.bypassed_buckets,
-                       dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
-                       dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
-            if self.dp_compression.link is not None:
-                rec["dp_link_gbps"] = self.dp_compression.link.gbit_per_s
-            if st.events and self.dp_rank == 0:
-                for event in st.events:
-                    print(f"iteration {self.iteration + 1}: {event}", flush=True)
-        return rec
+        return self.runtime.end_step(self.iteration, out)  # the controller decides here
 
     @torch.no_grad()
     def evaluate(self) -> float:
