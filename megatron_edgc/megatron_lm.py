@@ -58,7 +58,7 @@ _SEAMS = {
 class _State:
     cfg: Optional[RunConfig] = None      # validated from the --edgc-* flags
     runtime = None                       # EdgcRuntime, when compression is on
-    metrics = None                       # MetricsWriter on the logging rank
+    metrics = None                       # [JSONL writer, TensorBoard writer]
     stashed: Optional[tuple] = None      # (extensions, dp_changed) read at load
     originals: dict = {}
 
@@ -259,10 +259,12 @@ def _build_runtime(model, scheduler) -> None:
     is_logger = (mpu.is_pipeline_last_stage(ignore_virtual=True)
                  and mpu.get_data_parallel_rank() == 0
                  and mpu.get_tensor_model_parallel_rank() == 0)
-    _state.metrics = MetricsWriter(args.edgc_metrics_file, None, is_logger,
-                                   resume_from=args.iteration,
-                                   tb_writer=get_tensorboard_writer() if is_logger else None,
-                                   tb_prefix="edgc/")
+    # The JSONL file on the logging rank; the scalars wherever Megatron-LM keeps its
+    # TensorBoard writer (the last rank). The records are job-wide after the all-reduce.
+    tb = get_tensorboard_writer()
+    _state.metrics = [MetricsWriter(args.edgc_metrics_file, None, is_logger,
+                                    resume_from=args.iteration),
+                      MetricsWriter(None, None, tb is not None, tb_writer=tb, tb_prefix="edgc/")]
     for note in cfg.compression_notes:
         print_rank_0(note)
 
@@ -306,7 +308,8 @@ def _train_step(original):
                   "lr": float(opt_param_scheduler.get_lr(optimizer.param_groups[0])),
                   "skipped": bool(skipped)}
         runtime.end_step(iteration, record)
-        _state.metrics.write(record)
+        for writer in _state.metrics:
+            writer.write(record)
         if (iteration + 1) % args.log_interval == 0:
             _log_line(record)
         return out
@@ -465,7 +468,7 @@ def disable() -> None:
     _state.originals.clear()
     if _state.runtime is not None:
         _state.runtime.close()
-    if _state.metrics is not None:
-        _state.metrics.close()
+    for writer in _state.metrics or []:
+        writer.close()
     _state.cfg = _state.runtime = _state.metrics = _state.stashed = None
 
