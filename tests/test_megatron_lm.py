@@ -121,14 +121,22 @@ def stage_bytes(rank) -> list:
     return out
 
 
-def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron_lm, tmp_path):
+@pytest.fixture(scope="module")
+def edgc_run(megatron_lm, tmp_path_factory):
+    """One uninterrupted EDGC run of 8 iterations (DP and PP compression, TensorBoard)."""
+    tmp = tmp_path_factory.mktemp("edgc")
+    out, losses, records = run_megatron_lm(
+        megatron_lm, megatron_lm[2], EDGC + ["--tensorboard-dir", str(tmp / "tb")], tmp, "edgc")
+    return out, losses, records, str(tmp / "tb")
+
+
+def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron_lm, edgc_run,
+                                                                         tmp_path):
     _, unmodified, _ = run_megatron_lm(megatron_lm, megatron_lm[1], [], tmp_path, "plain")
-    out, off, off_records = run_megatron_lm(megatron_lm, megatron_lm[2], [], tmp_path, "off")
+    _, off, off_records = run_megatron_lm(megatron_lm, megatron_lm[2], [], tmp_path, "off")
     assert len(unmodified) == 8 and off == unmodified          # bitwise, as printed
     assert off_records == []                                   # nothing built, nothing logged
-    out, losses, records = run_megatron_lm(
-        megatron_lm, megatron_lm[2], EDGC + ["--tensorboard-dir", str(tmp_path / "tb")],
-        tmp_path, "edgc")
+    out, losses, records, tb = edgc_run
     assert "DP compression (edgc): r_max: at rank 8 22 of 22 weight matrices compress" in out
     # Megatron-LM's line for iteration 2 prints the mean of iterations 1-2 (its loss
     # accumulator is first reset at iteration 2's log); every other line one iteration's.
@@ -155,7 +163,7 @@ def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron
     assert compressed == 6
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(tb)
     events.Reload()
     tags = events.Tags()["scalars"]
     assert "edgc/dp_bytes_sent_job" in tags and "edgc/rank_dp/stage1" in tags
@@ -164,10 +172,10 @@ def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron
     assert sent == [float(r["dp_bytes_sent_job"]) for r in records]
 
 
-def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, tmp_path):
+def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, edgc_run, tmp_path):
     """Save at 4 (exit), resume to 8: the same losses, ranks and bytes as one run of 8."""
     ckpt = str(tmp_path / "ckpt")
-    _, _, whole = run_megatron_lm(megatron_lm, megatron_lm[2], EDGC, tmp_path, "whole")
+    whole = edgc_run[2]
     save = EDGC + ["--save", ckpt, "--save-interval", "4"]
     run_megatron_lm(megatron_lm, megatron_lm[2], save + ["--exit-interval", "4"], tmp_path,
                     "resumed")
