@@ -45,9 +45,12 @@ _SEAMS = {
     ("megatron.training.initialize", "validate_args"): ("args",),
     ("megatron.training.training", "setup_model_and_optimizer"):
         ("model_provider_func", "model_type"),
+    # core_v0.13.1 has no forward_backward_func parameter (train_step gets the schedule from
+    # get_forward_backward_func itself) and no iteration (args.curr_iteration has it);
+    # core_v0.19+ add pg_collection and p2p_communicator, which the wrapper overrides.
     ("megatron.training.training", "train_step"):
         ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
-         "config", "forward_backward_func"),
+         "config"),
     ("megatron.training.training", "save_checkpoint"): ("iteration", "model"),
     ("megatron.training.training", "load_checkpoint"): ("ddp_model",),
     ("megatron.training.checkpointing", "get_checkpoint_name"):
@@ -270,19 +273,23 @@ def _build_runtime(model, scheduler) -> None:
 
 
 def _train_step(original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                   config, forward_backward_func, *rest, **kwargs):
+    def train_step(*args_, **kwargs):
         runtime = _state.runtime
         if runtime is None:
-            return original(forward_step_func, data_iterator, model, optimizer,
-                            opt_param_scheduler, config, forward_backward_func, *rest, **kwargs)
+            return original(*args_, **kwargs)
+        from megatron.training import training
         from megatron.training.global_vars import get_args
 
         args = get_args()
-        iteration = kwargs.get("iteration", rest[0] if rest else None)
+        bound = signature.bind(*args_, **kwargs)
+        call = bound.arguments
+        iteration = call.get("iteration")
         if iteration is None:
             iteration = args.curr_iteration
+        config = call["config"]
         finalize = config.finalize_model_grads_func
         if finalize is not None and not getattr(finalize, "__edgc_timed__", False):
             # train() (re)sets it before the loop: stamp when gradients are ready.
@@ -291,21 +298,32 @@ def _train_step(original):
             config.finalize_model_grads_func = timed
         runtime.begin_step(iteration)
 
-        def forward_backward(*fb_args, **fb_kwargs):
-            runtime.begin_schedule()  # again on a rerun of the step
-            fb_kwargs.update(runtime.schedule_kwargs())
-            return forward_backward_func(*fb_args, **fb_kwargs)
+        def with_edgc(forward_backward_func):
+            def forward_backward(*fb_args, **fb_kwargs):
+                runtime.begin_schedule()  # again on a rerun of the step
+                fb_kwargs.update(runtime.schedule_kwargs())
+                return forward_backward_func(*fb_args, **fb_kwargs)
+            return forward_backward
 
-        out = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                       config, forward_backward, *rest, **kwargs)
+        if "forward_backward_func" in signature.parameters:
+            call["forward_backward_func"] = with_edgc(call["forward_backward_func"])
+            out = original(*bound.args, **bound.kwargs)
+        else:  # core_v0.13.1: train_step asks get_forward_backward_func() for the schedule
+            get_schedule = training.get_forward_backward_func
+            training.get_forward_backward_func = lambda *a, **k: with_edgc(get_schedule(*a, **k))
+            try:
+                out = original(*bound.args, **bound.kwargs)
+            finally:
+                training.get_forward_backward_func = get_schedule
         loss_dict, skipped, should_exit, grad_norm = out[0], out[1], out[3], out[5]
         if should_exit:
             return out
+        optimizer, scheduler = call["optimizer"], call["opt_param_scheduler"]
         record = {"iteration": iteration + 1,
                   "loss": float(loss_dict["lm loss"]) if "lm loss" in loss_dict
                   else float("nan"),
                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                  "lr": float(opt_param_scheduler.get_lr(optimizer.param_groups[0])),
+                  "lr": float(scheduler.get_lr(optimizer.param_groups[0])),
                   "skipped": bool(skipped)}
         runtime.end_step(iteration, record)
         for writer in _state.metrics:
