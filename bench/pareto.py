@@ -96,6 +96,10 @@ def plan(testbed: str, seeds: int) -> list:
                                "--edgc-byte-budget", "0.25"]))
     runs += [("budget50-lr", "budget", seed, budget50_lr)
              for seed in range(SEED0 + 1, SEED0 + seeds)]
+    # budget25-rmax16 thrashed (shape ranks jumping 1 <-> 16 between windows): the same
+    # budget50-lr with each shape's rank change limited to --edgc-rank-step per window
+    runs.append(("budget50-lr-step", "budget", SEED0,
+                 budget50_lr + ["--edgc-budget-step-limit", "on"]))
     if "only" in tb:
         runs = [r for r in runs if r[0] in tb["only"] and r[2] == SEED0]
     return runs
@@ -337,7 +341,8 @@ def report(testbeds: list, entries: list) -> None:
             "(`bench/results/pareto/summary.json` holds every run, computed from its metrics "
             "file). Static points are joined as the Pareto curve; EDGC (`paper`) and the budget "
             "controller (`budget50`: r_max, half of its bytes; `budget50-lr`: the same mean "
-            "budget following sqrt(LR); `budget25-rmax…`: twice r_max, a quarter of those "
+            "budget following sqrt(LR); `budget50-lr-step`: the same, each shape's rank moving at "
+            "most --edgc-rank-step per window; `budget25-rmax…`: twice r_max, a quarter of those "
             "bytes) are marked. A difference inside the seed spread is no "
             "difference.\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",

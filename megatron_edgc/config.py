@@ -429,6 +429,10 @@ class EdgcConfig:
                                             "follows sqrt(LR) with the same mean over the "
                                             "compressed windows (an error costs more while the "
                                             "LR is high)", choices=("constant", "lr"))
+    budget_step_limit: str = knob("off", "budget controller: on: each matrix shape's rank "
+                                         "moves at most --edgc-rank-step per window (EDGC's "
+                                         "step limit s); off: any change",
+                                  choices=("off", "on"))
     window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
                        min=1)
     iter_sample_rate: float = knob(0.1, "GDS iteration sampling rate α: entropy is measured on "

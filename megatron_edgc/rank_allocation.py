@@ -46,7 +46,8 @@ def max_rank_of(n: int, m: int, rank_max: int, min_compression_rate: float) -> i
 
 
 def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
-                   budget_bytes: float, r_min: int) -> list:
+                   budget_bytes: float, r_min: int, previous: Optional[Sequence[int]] = None,
+                   max_step: Optional[int] = None) -> list:
     """Greedy allocation of ranks to shape groups under a byte budget.
 
     ``groups``: ``(n, m, count, r_hi)`` per group (``r_hi`` its largest allowed rank);
@@ -54,13 +55,23 @@ def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
     (``r = 0 … r_hi``, non-decreasing). Every group starts at ``min(r_min, r_hi)``; then
     one rank at a time goes to the group whose next rank saves the most weighted error
     per byte, while the budget allows. Ties go to the earlier group. Returns the ranks.
+
+    With ``previous`` ranks and ``max_step``, each group stays within ``max_step`` of its
+    previous rank (EDGC's step limit s, §4): it starts at ``previous - max_step`` (or
+    ``r_min``) and grows to at most ``previous + max_step``; when even the lowest allowed
+    ranks exceed the budget, they are returned (the budget is met a window later).
     """
-    ranks = [min(r_min, g[3]) for g in groups]
+    lo = [min(r_min, g[3]) for g in groups]
+    hi = [g[3] for g in groups]
+    if previous is not None and max_step is not None:
+        lo = [min(max(low, p - max_step), top) for low, p, top in zip(lo, previous, hi)]
+        hi = [max(low, min(top, p + max_step)) for low, p, top in zip(lo, previous, hi)]
+    ranks = list(lo)
     spent = sum(c * (n + m) * r * FLOAT_BYTES for (n, m, c, _), r in zip(groups, ranks))
     while True:
         best, best_gain = None, 0.0
-        for i, ((n, m, count, r_hi), r) in enumerate(zip(groups, ranks)):
-            if r >= r_hi:
+        for i, ((n, m, count, _), r) in enumerate(zip(groups, ranks)):
+            if r >= hi[i]:
                 continue
             cost = count * (n + m) * FLOAT_BYTES
             if spent + cost > budget_bytes + 1e-9:
@@ -126,11 +137,13 @@ class BudgetRankController(RankController):
     """
 
     def __init__(self, settings: ControllerSettings, stage_groups: Sequence[Sequence[tuple]],
-                 *, byte_budget: float, min_compression_rate: float = 2.0):
+                 *, byte_budget: float, min_compression_rate: float = 2.0,
+                 max_step: Optional[int] = None):
         super().__init__(settings, [None] * len(stage_groups))
         if not 0 < byte_budget <= 1:
             raise ValueError(f"byte_budget must be in (0, 1], got {byte_budget}")
         self.byte_budget = byte_budget
+        self.max_step = max_step  # per-shape rank change per window (None: unlimited)
         self.groups = []
         for shapes in stage_groups:
             rows = []
@@ -192,8 +205,11 @@ class BudgetRankController(RankController):
             curves = self.captured[s]
             if not self.groups[s] or any(c is None for c in curves):
                 continue
+            table = self.table[s]
+            previous = None if table is None else [table[(n, m)] for n, m, _, _ in
+                                                   self.groups[s]]
             ranks = allocate_ranks(self.groups[s], curves, self.budget_bytes(s),
-                                   self.settings.rank_min)
+                                   self.settings.rank_min, previous, self.max_step)
             self.table[s] = {(n, m): r for (n, m, _, _), r in zip(self.groups[s], ranks)}
 
     # ------------------------------------------------------------------ state

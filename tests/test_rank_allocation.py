@@ -123,6 +123,22 @@ def test_allocation_clamps():
     assert max_rank_of(128, 128, 64, 2.0) == 32 and max_rank_of(2, 2, 8, 2.0) == 0
 
 
+def test_step_limited_allocation_moves_at_most_s_per_window():
+    groups = [(64, 64, 1, 16), (64, 64, 1, 16), (64, 64, 1, 16)]
+    curves = [captured_curve(1.0, [0.5] + [0.01] * 15),     # rank 1 captures it all
+              captured_curve(1.0, [0.06] * 16),             # every rank pays
+              captured_curve(1.0, [0.03] * 16)]
+    per_rank = 128 * FLOAT_BYTES
+    free = allocate_ranks(groups, curves, 24 * per_rank, r_min=1)
+    assert free[0] == 1 and sum(free) == 24 and free[1] >= 12      # unlimited: jumps
+    limited = allocate_ranks(groups, curves, 24 * per_rank, r_min=1, previous=[8, 8, 8],
+                             max_step=2)
+    assert limited == [6, 10, 8]                # down by s, up by s, the rest where it pays
+    # even the lowest allowed ranks exceed the budget: they are kept, not cut further
+    assert allocate_ranks(groups, curves, 3 * per_rank, r_min=1, previous=[8, 8, 8],
+                          max_step=2) == [6, 6, 6]
+
+
 SHAPES = [[(512, 128, 4), (8192, 128, 1), (128, 128, 4)], [(384, 128, 4)]]
 
 
@@ -130,7 +146,8 @@ def make(**kw):
     settings = ControllerSettings(window=4, iter_sample_rate=0.5, rank_max=8, rank_min=1,
                                   rank_step=2, warmup_eps=0.01, warmup_windows=2,
                                   warmup_max_iters=8)
-    return BudgetRankController(settings, SHAPES, byte_budget=kw.get("budget", 0.5))
+    return BudgetRankController(settings, SHAPES, byte_budget=kw.get("budget", 0.5),
+                                max_step=kw.get("max_step"))
 
 
 def energies(decay, r):
@@ -174,6 +191,20 @@ def test_budget_controller_moves_with_the_spectrum():
     assert tables[16][0][1] == [512, 128, final[(512, 128)]]
     assert c2.table[0][(512, 128)] >= final[(512, 128)] + 3, tables[-1]
     assert c2.table[0][(8192, 128)] < tables[16][0][2][2]
+
+
+def test_step_limited_budget_controller_moves_by_at_most_s():
+    decay = lambda s, shape, it: 0.2 if shape == (512, 128) else 0.95
+    free, limited = make(), make(max_step=2)
+    free_tables, tables = drive(free, decay, 24), drive(limited, decay, 24)
+    jumps = [abs(a[0][1][2] - b[0][1][2]) for a, b in zip(free_tables[8:], free_tables[9:])
+             if a and a[0] is not None]
+    assert max(jumps) > 2                       # unlimited: 512x128 drops 8 -> 1 at once
+    for a, b in zip(tables[8:], tables[9:]):
+        for (n, m, ra), (n2, m2, rb) in zip(a[0] + a[1], b[0] + b[1]):
+            assert (n, m) == (n2, m2) and abs(ra - rb) <= 2
+    assert limited.table[0][(512, 128)] < 8     # still moves where the spectrum says
+    assert limited.bytes_of(0, limited.table[0]) <= limited.budget_bytes(0)
 
 
 def test_extended_curve_is_the_sorted_energies_upper_bound():

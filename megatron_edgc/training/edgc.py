@@ -99,7 +99,8 @@ class EdgcDriver:
                     stage_groups[s] = [(n, m, c) for (n, m), c in items]
             self.controller = BudgetRankController(
                 self.settings, stage_groups, byte_budget=e.byte_budget,
-                min_compression_rate=e.min_compression_rate)
+                min_compression_rate=e.min_compression_rate,
+                max_step=e.rank_step if e.budget_step_limit == "on" else None)
             dp_compression.track_spectrum(True)
         else:
             self.controller = RankController(self.settings,
