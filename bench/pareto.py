@@ -98,8 +98,9 @@ def plan(testbed: str, seeds: int) -> list:
              for seed in range(SEED0 + 1, SEED0 + seeds)]
     # budget25-rmax16 thrashed (shape ranks jumping 1 <-> 16 between windows): the same
     # budget50-lr with each shape's rank change limited to --edgc-rank-step per window
-    runs.append(("budget50-lr-step", "budget", SEED0,
-                 budget50_lr + ["--edgc-budget-step-limit", "on"]))
+    runs += [("budget50-lr-step", "budget", seed,
+              budget50_lr + ["--edgc-budget-step-limit", "on"])
+             for seed in range(SEED0, SEED0 + seeds)]
     if "only" in tb:
         runs = [r for r in runs if r[0] in tb["only"] and r[2] == SEED0]
     return runs
