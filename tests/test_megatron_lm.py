@@ -76,13 +76,13 @@ def megatron_lm(tmp_path_factory):
 
 
 def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
-                    expect_ok: bool = True):
+                    expect_ok: bool = True, nproc: int = 4):
     """One 4-process torchrun of ``script``; returns (output, Megatron's per-iteration lm
     losses, the EDGC metrics records)."""
     where = megatron_lm[0]
     metrics = str(tmp_path / f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "-m", "megatron_edgc.megatron_lm_cpu", script, *ARGS, *extra]
+           str(nproc), "-m", "megatron_edgc.megatron_lm_cpu", script, *ARGS, *extra]
     if script != megatron_lm[1]:
         cmd += ["--edgc-metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -191,7 +191,8 @@ def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, edgc_run, tmp_
 
 def test_bad_edgc_flag_fails_before_any_process_group(megatron_lm, tmp_path):
     out, losses, _ = run_megatron_lm(megatron_lm, megatron_lm[2],
-                                     ["--edgc-mode", "static", "--edgc-rank", "0"], tmp_path,
-                                     "bad", expect_ok=False)
+                                     ["--edgc-mode", "static", "--edgc-rank", "0",
+                                      "--pipeline-model-parallel-size", "1"], tmp_path,
+                                     "bad", expect_ok=False, nproc=1)
     assert "error: --edgc-rank: must be in [1, inf] (got 0)" in out
     assert "initializing torch distributed" not in out and losses == []
