@@ -25,10 +25,15 @@ def expected_bytes(params: dict, n_buckets: int, rank: int) -> int:
     return 4 * elements
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if "interleaved" not in k])
+#: Overlapped reduce and the distributed optimizer together (the version-compat run's DP case).
+DP_LAYOUTS = {**LAYOUTS, "tp1-pp2-dp2-overlap-distopt": LAYOUTS["tp1-pp2-dp2-overlap"]
+              + ["--use-distributed-optimizer"]}
+
+
+@pytest.mark.parametrize("layout", [k for k in DP_LAYOUTS if "interleaved" not in k])
 def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
-    results = run_job(small_model_argv + LAYOUTS[layout] + [
+    results = run_job(small_model_argv + DP_LAYOUTS[layout] + [
         "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics],
         str(tmp_path / "out"))
     records = read_jsonl(metrics)
@@ -48,7 +53,7 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
         assert rec["dp_bytes_sent"] < rec["dp_bytes_dense"] / 4
     # The start-up check's shapes (from the config alone) are the model's: weight matrices
     # exactly, and the element count of every stage.
-    cfg = parse_config(small_model_argv + LAYOUTS[layout] + ["--edgc-mode", "static"])
+    cfg = parse_config(small_model_argv + DP_LAYOUTS[layout] + ["--edgc-mode", "static"])
     predicted = stage_param_shapes(cfg.model, cfg.parallel, cfg.data.tokenizer_vocab_size)
     for r in results:
         real = [tuple(t.shape) for t in r["params"].values()]

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU processes with gloo.
+"""Run megatron-core (0.13.1 ... 0.16.1, see ``features.py``) on CPU processes with gloo.
 
 megatron-core assumes CUDA in a handful of places (listed with file:line in
 shared/FINDINGS.md): tensors created with ``device='cuda'`` or
@@ -14,41 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-#: megatron-core versions these shims (and the other patches) were written and tested for.
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+# The version/feature check lives in features.py; these names stay importable from here.
+from megatron_edgc.patches.features import (  # noqa: F401
+    SUPPORTED_MEGATRON_CORE_VERSIONS, UnsupportedMegatronVersion, check_megatron_version,
+    megatron_core_version)
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
               "empty_strided", "as_tensor", "linspace")
 _applied = False
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    pass
-
-
-def megatron_core_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
-
-
-def check_megatron_version(allow_untested: bool = False) -> str:
-    """Refuse a megatron-core version the patches were not tested against."""
-    version = megatron_core_version()
-    if version not in TESTED_MEGATRON_CORE_VERSIONS:
-        msg = (f"megatron-core {version} is untested with megatron_edgc (tested: "
-               f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}); pin megatron-core=="
-               f"{TESTED_MEGATRON_CORE_VERSIONS[-1]} or pass --allow-untested-megatron")
-        if not allow_untested:
-            raise UnsupportedMegatronVersion(msg)
-        logger.warning(msg)
-    return version
 
 
 def _is_cuda_device(device) -> bool:

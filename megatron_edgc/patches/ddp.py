@@ -1,6 +1,6 @@
 """PowerSGD on megatron-core's data-parallel gradient sync (EDGC §1).
 
-megatron-core 0.16.1 reduces gradients per bucket group in
+megatron-core (0.13.1 ... 0.16.1) reduces gradients per bucket group in
 ``_ParamAndGradBucketGroup.start_grad_sync`` (scale by ``gradient_scaling_factor``, then
 all-reduce, or reduce-scatter for the distributed optimizer, async with
 ``overlap_grad_reduce``) and waits in ``finish_grad_sync``. With compression on, this
@@ -32,11 +32,22 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
+from megatron_edgc.patches import features
 
 logger = logging.getLogger(__name__)
 
-#: megatron-core versions whose ``_ParamAndGradBucketGroup`` this patch was written for.
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+#: Attributes of a live bucket group / bucket the patch reads or writes.
+_GROUP_ATTRIBUTES = ("buckets", "ddp_config", "grad_reduce_handle", "param_gather_dispatched")
+_BUCKET_ATTRIBUTES = ("grad_data", "params_list", "gradient_scaling_factor")
+
+
+def _require_attributes(obj, names, what: str) -> None:
+    for name in names:
+        if not hasattr(obj, name):
+            raise features.UnsupportedMegatronVersion(
+                f"megatron-core {features.megatron_core_version()} lacks {what}.{name} "
+                f"(the ddp patch); supported versions: "
+                f"{', '.join(features.SUPPORTED_MEGATRON_CORE_VERSIONS)}")
 
 
 @dataclass
@@ -96,11 +107,10 @@ class DPGradientCompression:
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None):
-        from megatron.core import package_info
-
-        if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
-            logger.warning("DP compression patch written for megatron-core %s, running on %s",
-                           TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
+        features.require("ddp")
+        # megatron-core 0.16.x: start/finish_grad_sync(force_all_reduce=False) and a
+        # first-batch mode; 0.13.x-0.15.x: no argument, no first-batch mode.
+        self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.rank = rank
@@ -121,7 +131,9 @@ class DPGradientCompression:
         for ci, chunk in enumerate(chunks):
             names = {p: f"chunk{ci}.{n}" for n, p in chunk.module.named_parameters()}
             for gi, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
+                _require_attributes(group, _GROUP_ATTRIBUTES, "_ParamAndGradBucketGroup")
                 for bi, bucket in enumerate(group.buckets):
+                    _require_attributes(bucket, _BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
                     entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
@@ -318,8 +330,20 @@ class DPGradientCompression:
         original_start, original_finish = group.start_grad_sync, group.finish_grad_sync
         owner = self
 
+        def original(fn, force_all_reduce):
+            # 0.16.x passes force_all_reduce on; 0.13.x-0.15.x have no such argument (and
+            # never ask for it: their callers pass nothing).
+            if owner._takes_force_all_reduce:
+                return fn(force_all_reduce=force_all_reduce)
+            return fn()
+
+        def first_batch(group) -> bool:
+            # 0.16.x: with overlap_grad_reduce, the first batch's sync starts in
+            # finish_grad_sync (is_first_batch); 0.13.x-0.15.x have no first-batch mode.
+            return getattr(group, "is_first_batch", False)
+
         def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
-            if self.is_first_batch and self.grad_reduce_handle is not None:
+            if first_batch(self) and self.grad_reduce_handle is not None:
                 return  # already dispatched in the first batch (mirrors megatron-core)
             if owner.entropy_probe is not None:
                 for bucket in self.buckets:
@@ -328,17 +352,17 @@ class DPGradientCompression:
                 dense = sum(_bucket_grad_bytes(b) for b in self.buckets)
                 owner.stats.bytes_sent += dense
                 owner.stats.bytes_dense += dense
-                return original_start(force_all_reduce=force_all_reduce)
+                return original(original_start, force_all_reduce)
             assert self.grad_reduce_handle is None, \
                 "Should not have multiple communication calls outstanding at once"
             owner._start(self)
 
         def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
             if not owner.active:
-                original_finish(force_all_reduce=force_all_reduce)
+                original(original_finish, force_all_reduce)
             else:
                 self.param_gather_dispatched = False
-                if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+                if not self.ddp_config.overlap_grad_reduce or first_batch(self):
                     start_grad_sync(self, force_all_reduce)
                 assert self.grad_reduce_handle is not None, "grad sync was not started"
                 self.grad_reduce_handle.wait()

@@ -1,8 +1,12 @@
 """Low-rank pipeline backward sends on megatron-core's ``P2PCommunicator`` (EDGC §7).
 
-megatron-core 0.16.1's schedules take a ``p2p_communicator=`` argument and route every
+megatron-core 0.14+'s schedules take a ``p2p_communicator=`` argument and route every
 pipeline transfer through its ``_communicate``; :class:`CompressingP2PCommunicator`
-overrides that one method. Forward activations go out untouched (megatron-core's own
+overrides that one method. (0.13.x has no communicator class: its schedules call
+``p2p_communication``'s module-level functions, which all go through a module-level
+``_communicate``; there the same class stands on :class:`_ModuleLevelP2PCommunicator` and
+the schedules are adapted to route that function to it, see
+:func:`install_schedule_adapter`.) Forward activations go out untouched (megatron-core's own
 code path). A backward activation gradient ``[seq, micro_batch, hidden]`` is sent, when
 compressed, as one fp32 message ``[header | P^ | Q]`` (``compression/activation.py``:
 lazy error propagation, warm-started power iteration); the receiver rebuilds ``P^ Qᵀ``
@@ -23,21 +27,24 @@ is why the table is broadcast rather than recomputed independently.)
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import p2p_communication
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_edgc.compression.activation import ActivationGradSender, decompress
 from megatron_edgc.compression.powersgd import FLOAT_BYTES  # noqa: F401 (message size unit)
+from megatron_edgc.patches import features
 
 logger = logging.getLogger(__name__)
 
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
 MAGIC = 7351.0
 HEADER = 6  # magic, table version, rank, n, m, message index (fp32: exact below 2^24)
 
@@ -86,7 +93,125 @@ def warmup_microbatches(pp_size: int, stage: int, num_microbatches: int, num_chu
     return min(w, num_microbatches * num_chunks)
 
 
-class CompressingP2PCommunicator(P2PCommunicator):
+# megatron-core 0.13.x: the module-level ``_communicate(..., config=)`` every transfer goes
+# through (captured before the schedule adapter may route it elsewhere).
+_MODULE_COMMUNICATE = getattr(p2p_communication, "_communicate", None)
+
+
+class _ModuleLevelP2PCommunicator:
+    """``P2PCommunicator`` for megatron-core 0.13.x, which has none: the same attributes
+    (``pp_group``, ``config``, global ``prev_rank`` / ``next_rank``), and ``_communicate``
+    delegating to the module-level function."""
+
+    def __init__(self, pp_group, config):
+        self.pp_group, self.config = pp_group, config
+        size, rank = pp_group.size(), pp_group.rank()
+        self.next_rank = dist.get_global_rank(pp_group, (rank + 1) % size)
+        self.prev_rank = dist.get_global_rank(pp_group, (rank - 1) % size)
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        return _MODULE_COMMUNICATE(
+            tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+            recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+            config=self.config, wait_on_reqs=wait_on_reqs)
+
+
+# megatron-core 0.14+: the class the schedules take; 0.13.x: the stand-in above.
+_P2PBase = getattr(p2p_communication, "P2PCommunicator", None) or _ModuleLevelP2PCommunicator
+
+_SCHEDULES = ("forward_backward_no_pipelining",
+              "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
+
+
+@contextlib.contextmanager
+def _module_level_route(communicator):
+    """0.13.x: the module-level ``_communicate`` sends through ``communicator`` meanwhile."""
+    original = p2p_communication._communicate
+
+    def communicate(*, config, **kwargs):
+        return communicator._communicate(**kwargs)
+
+    p2p_communication._communicate = communicate
+    try:
+        yield
+    finally:
+        p2p_communication._communicate = original
+
+
+def _grad_finalize_pgs():
+    """0.14.x: the ``grad_finalize_pgs`` its schedules build when given none (their own
+    default, from ``parallel_state``), for a call that passes a communicator."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import GradFinalizeProcessGroups
+
+    pgs = GradFinalizeProcessGroups()
+    pgs.tp = parallel_state.get_tensor_model_parallel_group()
+    pgs.cp = parallel_state.get_context_parallel_group()
+    pgs.embd = parallel_state.get_embedding_group(check_initialized=False)
+    pgs.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    pgs.pp = parallel_state.get_pipeline_model_parallel_group()
+    pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                       partial_data_parallel=False)
+    return pgs
+
+
+def _adapt_schedule(fn):
+    params = set(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def adapted(*args, **kwargs):
+        if "pg_collection" not in params:
+            kwargs.pop("pg_collection", None)       # the mpu groups: the schedule's default
+        communicator = kwargs.get("p2p_communicator")
+        if "p2p_communicator" not in params:         # 0.13.x
+            kwargs.pop("p2p_communicator", None)
+            if communicator is not None:
+                with _module_level_route(communicator):
+                    return fn(*args, **kwargs)
+        elif communicator is not None and "grad_finalize_pgs" in params \
+                and kwargs.get("grad_finalize_pgs") is None:   # 0.14.x
+            kwargs["grad_finalize_pgs"] = _grad_finalize_pgs()
+        return fn(*args, **kwargs)
+
+    adapted.__edgc_schedule_adapter__ = True
+    return adapted
+
+
+class _MpuProcessGroups:
+    """0.13.x, 0.14.x: stands in for ``ProcessGroupCollection`` (0.15+), which the training
+    loops use as ``ProcessGroupCollection.use_mpu_process_groups()`` next to the
+    communicator; the adapted schedules drop it (the mpu groups are their default)."""
+
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs=None):
+        return cls()
+
+
+def install_schedule_adapter() -> str:
+    """Let megatron-core's schedules take ``p2p_communicator=`` and ``pg_collection=`` as
+    0.15+ does (the training loops pass both): 0.14.x gets ``grad_finalize_pgs`` instead,
+    0.13.x routes its module-level transfers to the communicator for the call; both get a
+    stand-in ``process_groups_config.ProcessGroupCollection``. Nothing is touched on 0.15+.
+    ``get_forward_backward_func`` reads the module's attributes, so call this before it.
+    Returns the schedules' form (``features.schedule_form``)."""
+    from megatron.core import process_groups_config
+    from megatron.core.pipeline_parallel import schedules
+
+    form = features.schedule_form()
+    if form == "pg_collection":
+        return form
+    if not hasattr(process_groups_config, "ProcessGroupCollection"):
+        process_groups_config.ProcessGroupCollection = _MpuProcessGroups
+    for name in _SCHEDULES:
+        fn = getattr(schedules, name)
+        if not getattr(fn, "__edgc_schedule_adapter__", False):
+            setattr(schedules, name, _adapt_schedule(fn))
+    return form
+
+
+class CompressingP2PCommunicator(_P2PBase):
     """Megatron's communicator with backward sends compressed at the shared PP rank.
 
     ``rank`` None means dense (warm-up, or compression off until ``set_rank``).
@@ -96,11 +221,8 @@ class CompressingP2PCommunicator(P2PCommunicator):
 
     def __init__(self, pp_group, config, *, num_microbatches: int, num_chunks: int = 1,
                  epilogue_only: bool = False, seed: int = 0, timer=None):
-        from megatron.core import package_info
-
-        if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
-            logger.warning("P2P compression written for megatron-core %s, running on %s",
-                           TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
+        features.require("p2p")
+        install_schedule_adapter()
         super().__init__(pp_group, config)
         if config.variable_seq_lengths or config.use_ring_exchange_p2p \
                 or getattr(config, "mtp_standalone", False):

@@ -1,25 +1,21 @@
 """Per-iteration stage timings for DAC (EDGC §6) and the benchmarks: micro-batch backward,
 backward sends, the end of the DP gradient sync, and when gradients are ready.
 
-megatron-core 0.16.1's schedules call the module-level
-``pipeline_parallel/schedules.py:backward_step`` by name at call time, so wrapping that
-attribute times every micro-batch backward of every schedule (1F1B and interleaved).
+megatron-core's schedules (0.13.1 ... 0.16.1; checked in ``features.py``) call the
+module-level ``pipeline_parallel/schedules.py:backward_step`` by name at call time, so
+wrapping that attribute times every micro-batch backward of every schedule (1F1B and interleaved).
 Intervals are taken with CUDA events on a GPU (resolved after the loop's end-of-iteration
 synchronize) and with a monotonic clock on CPU.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+from megatron_edgc.patches import features
 
 
 class IntervalClock:
@@ -131,12 +127,9 @@ class StageTimer:
 
     def install(self) -> None:
         """Wrap ``schedules.backward_step`` (once per timer)."""
-        from megatron.core import package_info
         from megatron.core.pipeline_parallel import schedules
 
-        if package_info.__version__ not in TESTED_MEGATRON_CORE_VERSIONS:
-            logger.warning("backward timing written for megatron-core %s, running on %s",
-                           TESTED_MEGATRON_CORE_VERSIONS, package_info.__version__)
+        features.require("timing")
         if self._installed:
             return
         original = schedules.backward_step
