@@ -276,6 +276,10 @@ def plot(testbed: str, agg: dict, path: str) -> None:
         if v["controller"] == "static" or SEED0 not in v["by_seed"]:
             continue
         marker, color = styles[v["controller"]]
+        if v["controller"] == "budget":  # one colour per budget variant
+            budgets = sorted(n for n, w in agg.items() if w["controller"] == "budget")
+            color = ("tab:green", "tab:olive", "tab:purple", "tab:orange", "tab:brown",
+                     "tab:pink")[budgets.index(k) % 6]
         ax.errorbar([v["bytes_by_seed"][SEED0] / mib], [v["by_seed"][SEED0]], yerr=spread,
                     fmt=marker, color=color, markersize=11 if marker == "*" else 8, capsize=3,
                     label=k)
