@@ -77,6 +77,12 @@ def test_missing_rng_tracker_and_instance_attribute_are_named(monkeypatch):
                                 "_ParamAndGradBucketGroup")
 
 
+def test_a_module_that_fails_to_import_is_named_with_the_reason():
+    with pytest.raises(features._Missing, match=r"megatron\.core\.no_such_module \(import "
+                                                r"failed: No module named"):
+        features.resolve("megatron.core.no_such_module")
+
+
 def test_schedules_without_any_communicator_seam_and_untimed_backward(monkeypatch):
     def opaque(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                micro_batch_size, decoder_seq_length=None, forward_only=False):

@@ -58,8 +58,8 @@ def resolve(module: str, path: str = ""):
     first absent one."""
     try:
         obj = importlib.import_module(module)
-    except ImportError as exc:
-        raise _Missing(module) from exc
+    except ImportError as exc:  # e.g. 0.18+ schedules import triton unconditionally
+        raise _Missing(f"{module} (import failed: {exc})") from exc
     done = module
     for part in path.split(".") if path else []:
         done = f"{done}.{part}"
@@ -282,7 +282,12 @@ _warned: set = set()
 def check_megatron_version(allow_untested: bool = False) -> str:
     """Every feature of every patch present, or one-line :class:`UnsupportedMegatronVersion`;
     a complete version outside the supported ones warns once (unless ``allow_untested``)."""
-    version = megatron_core_version()
+    try:
+        version = megatron_core_version()
+    except ImportError as exc:  # e.g. 0.18+ on a machine without triton
+        raise UnsupportedMegatronVersion(
+            f"megatron-core does not import ({type(exc).__name__}: {exc}); supported versions: "
+            f"{', '.join(SUPPORTED_MEGATRON_CORE_VERSIONS)}") from exc
     require()
     if version not in SUPPORTED_MEGATRON_CORE_VERSIONS and not allow_untested \
             and version not in _warned:
