@@ -675,19 +675,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
         assert flag not in seen, f"duplicate flag {flag}"
         seen.add(flag)
         group = groups.setdefault(section_name, parser.add_argument_group(section_name))
-        base = _base_type(f.type)
-        meta = f.metadata
-        kwargs = dict(dest=f"{section_name}.{f.name}", default=argparse.SUPPRESS,
-                      help=f"{meta['help']} (default {f.default})")
-        if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            # Choices are checked by the validator, so every bad value gets the same
-            # one-line "--flag: must be one of ..." error.
-            metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta.get("choices") \
-                else base.__name__.upper()
-            group.add_argument(flag, type=base, metavar=metavar, **kwargs)
+        add_knob_argument(group, flag, f, dest=f"{section_name}.{f.name}",
+                          default=argparse.SUPPRESS)
     return parser
+
+
+def add_knob_argument(group, flag: str, f, *, dest: str, default) -> None:
+    """One flag for the :func:`knob` field ``f``: its type, help and default shown."""
+    base, meta = _base_type(f.type), f.metadata
+    kwargs = dict(dest=dest, default=default, help=f"{meta['help']} (default {f.default})")
+    if base is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+    else:
+        # Choices are checked by the validator, so every bad value gets the same
+        # one-line "--flag: must be one of ..." error.
+        metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta.get("choices") \
+            else base.__name__.upper()
+        group.add_argument(flag, type=base, metavar=metavar, **kwargs)
 
 
 def _apply_yaml(cfg: RunConfig, path: str) -> None:

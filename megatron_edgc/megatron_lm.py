@@ -34,8 +34,8 @@ import os
 import sys
 from typing import Optional
 
-from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _base_type,
-                                  _check_ranges, check_writable, flag_of)
+from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _check_ranges,
+                                  add_knob_argument, check_writable, flag_of)
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
 TESTED_MEGATRON_LM = "core_v0.16.1"
@@ -59,11 +59,12 @@ _SEAMS = {
 
 
 class _State:
-    cfg: Optional[RunConfig] = None      # validated from the --edgc-* flags
-    runtime = None                       # EdgcRuntime, when compression is on
-    metrics = None                       # [JSONL writer, TensorBoard writer]
-    stashed: Optional[tuple] = None      # (extensions, dp_changed) read at load
-    originals: dict = {}
+    def __init__(self):
+        self.cfg: Optional[RunConfig] = None    # validated from the --edgc-* flags
+        self.runtime = None                     # EdgcRuntime, when compression is on
+        self.metrics = None                     # [JSONL writer, TensorBoard writer]
+        self.stashed: Optional[tuple] = None    # (extensions, dp_changed) read at load
+        self.originals: dict = {}               # (module, name) -> the wrapped function
 
 
 _state = _State()
@@ -77,17 +78,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("EDGC", "entropy-driven gradient compression "
                                               "(megatron_edgc)")
     for f in dataclasses.fields(EdgcConfig):
-        base, meta = _base_type(f.type), f.metadata
-        kwargs = dict(dest=f"edgc_{f.name}", default=f.default,
-                      help=f"{meta['help']} (default {f.default})")
-        if base is bool:
-            group.add_argument(flag_of(f.name, EdgcConfig), action=argparse.BooleanOptionalAction,
-                               **kwargs)
-        else:
-            metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta.get("choices") \
-                else base.__name__.upper()
-            group.add_argument(flag_of(f.name, EdgcConfig), type=base, metavar=metavar,
-                               **kwargs)
+        add_knob_argument(group, flag_of(f.name, EdgcConfig), f, dest=f"edgc_{f.name}",
+                          default=f.default)
     group.add_argument("--edgc-metrics-file", default=None,
                        help="JSONL file, one EDGC record per iteration (logging rank)")
     group.add_argument("--edgc-allow-untested-megatron", action="store_true",
