@@ -101,6 +101,12 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [("budget50-lr-step", "budget", seed,
               budget50_lr + ["--edgc-budget-step-limit", "on"])
              for seed in range(SEED0, SEED0 + seeds)]
+    # Target A's byte limit (60 % of r_max's) spent with twice r_max allowed, stepped and
+    # LR-scheduled: room for the shapes whose error curve still pays above r_max
+    runs.append((f"budget30-rmax{2 * r_max}-lr-step", "budget", SEED0,
+                 EDGC_FLAGS + ["--edgc-rank-max", str(2 * r_max), "--edgc-controller", "budget",
+                               "--edgc-byte-budget", "0.3", "--edgc-budget-schedule", "lr",
+                               "--edgc-budget-step-limit", "on"]))
     if "only" in tb:
         runs = [r for r in runs if r[0] in tb["only"] and r[2] == SEED0]
     return runs
@@ -348,7 +354,8 @@ def report(testbeds: list, entries: list) -> None:
             "controller (`budget50`: r_max, half of its bytes; `budget50-lr`: the same mean "
             "budget following sqrt(LR); `budget50-lr-step`: the same, each shape's rank moving at "
             "most --edgc-rank-step per window; `budget25-rmax…`: twice r_max, a quarter of those "
-            "bytes) are marked. A difference inside the seed spread is no "
+            "bytes; `budget30-rmax…-lr-step`: twice r_max, 0.3 of its bytes, LR-scheduled and "
+            "stepped) are marked. A difference inside the seed spread is no "
             "difference.\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",
                   "python bench/pareto.py", body)
