@@ -2,8 +2,12 @@
 """Measure the claim on emulated cluster links: dense vs static PowerSGD (r_max, r_min) vs
 EDGC vs PyTorch's ``powerSGD_hook``, side by side, at several link rates.
 
-    sudo .venv/bin/python bench/slow_links.py            # ~30 min on 2 cores
+    sudo .venv/bin/python bench/slow_links.py            # ~90 min on 2 cores (3 repetitions)
     .venv/bin/python bench/slow_links.py --quick         # tiny only, 2 rates, fewer iterations
+
+Every (config, rate, mode) runs ``--repeats`` times (default 3); each figure is the median
+over them with its (min–max), time ratios pair the runs of one repetition, and a verdict
+holds only if it holds in every repetition (a range spanning 1 is "no difference").
 
 For each config (the tiny default and ``configs/gpt2-small-cpu.yaml``) and each rate
 (100 Mbit, 300 Mbit, 1 Gbit, unshaped), the 4 ranks run in their own network namespaces
@@ -35,6 +39,7 @@ import json
 import math
 import os
 import sys
+from typing import Optional
 
 import numpy
 
@@ -119,8 +124,42 @@ def modelled(loopback: dict, rate: str) -> dict:
     return out
 
 
-def run_all(configs, rates, iters, out_root, reuse) -> tuple[dict, bool]:
-    results: dict = {}
+TIMED = ("sync_ms", "iter_ms", "iter_ms_all", "compress_ms", "saving_ms")
+
+
+def aggregate(reps: list) -> dict:
+    """One mode's repetitions -> its figures: the median of each timing over the
+    repetitions (each repetition's value is itself a mean over its steady iterations),
+    the per-repetition values under ``KEY_runs`` (the spread, and paired ratios), and
+    the rest from the first repetition (same seed and data: the loss repeats)."""
+    out = dict(reps[0])
+    for key in TIMED:
+        vals = [r[key] for r in reps]
+        if any(v is None for v in vals):
+            continue
+        out[key] = float(numpy.median(vals))
+        out[f"{key}_runs"] = [float(v) for v in vals]
+    out["repeats"] = len(reps)
+    return out
+
+
+def runs_of(r: dict, key: str) -> list:
+    return r.get(f"{key}_runs") or [r[key]]
+
+
+def paired_ratios(a: dict, b: dict, key: str = "iter_ms") -> list:
+    """``a/b`` of each repetition, pairing the runs made side by side (same repetition)."""
+    ra, rb = runs_of(a, key), runs_of(b, key)
+    if len(ra) != len(rb):
+        return [float(numpy.median(ra)) / float(numpy.median(rb))]
+    return [x / y for x, y in zip(ra, rb)]
+
+
+def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bool]:
+    """Every (config, rate, mode) ``repeats`` times. The modes of one repetition run back to
+    back, repetition after repetition, so a slow drift of the machine spreads over all
+    modes instead of biasing one."""
+    reps: dict = {}
     emulated = True
     port = 29600
     for cname in configs:
@@ -136,41 +175,52 @@ def run_all(configs, rates, iters, out_root, reuse) -> tuple[dict, bool]:
                 print(f"namespaces unavailable ({exc}): the shaped rates are modelled",
                       flush=True)
                 emulated, net = False, None
-            runs = {}
             try:
-                for mname, (script, flags) in modes(r_max, r_min, iters).items():
-                    key = f"{cname}|{rate}|{mname}"
-                    if net is None and rate != "none":
-                        continue  # modelled from the loopback run below
-                    port += 1
+                for rep in range(repeats):
+                    runs = {}
+                    for mname, (script, flags) in modes(r_max, r_min, iters).items():
+                        key = f"{cname}|{rate}|{mname}"
+                        if net is None and rate != "none":
+                            continue  # modelled from the loopback run below
+                        port += 1
 
-                    def launch(cmd, net=net, port=port):
-                        codes = net.run(cmd, port=port, env={"OMP_NUM_THREADS": "1"},
-                                        timeout=3600, cwd=ROOT)
-                        return max(abs(c) for c in codes)
+                        def launch(cmd, net=net, port=port):
+                            codes = net.run(cmd, port=port, env={"OMP_NUM_THREADS": "1"},
+                                            timeout=3600, cwd=ROOT)
+                            return max(abs(c) for c in codes)
 
-                    records, summary = run_pretrain(
-                        mname.replace(" ", "_"), base + flags, out, iters, reuse=reuse,
-                        script=script, launch=launch if net is not None else None)
-                    runs[key] = (records, summary)
+                        records, summary = run_pretrain(
+                            f"{mname.replace(' ', '_')}_rep{rep}", base + flags, out, iters,
+                            reuse=reuse, script=script,
+                            launch=launch if net is not None else None)
+                        runs[key] = (records, summary)
+                    if runs:
+                        skip = steady_start(runs[f"{cname}|{rate}|EDGC"][0])
+                        for k, v in runs.items():
+                            reps.setdefault(k, []).append(measure(*v, skip))
             finally:
                 if net is not None:
                     net_cm.close()
-            if runs:
-                skip = steady_start(runs[f"{cname}|{rate}|EDGC"][0])
-                results.update({k: measure(*v, skip) for k, v in runs.items()})
         if not emulated:
             for rate in rates:
                 if rate == "none":
                     continue
                 for mname in modes(r_max, r_min, iters):
-                    results[f"{cname}|{rate}|{mname}"] = modelled(
-                        results[f"{cname}|none|{mname}"], rate)
-    return results, emulated
+                    reps[f"{cname}|{rate}|{mname}"] = [
+                        modelled(m, rate) for m in reps[f"{cname}|none|{mname}"]]
+    return {k: aggregate(v) for k, v in reps.items()}, emulated
 
 
 def fmt(v, spec=".1f"):
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def with_spread(r: dict, key: str, spec: str = ".1f") -> str:
+    """``median (min–max)`` over the repetitions, or the single value."""
+    runs = r.get(f"{key}_runs")
+    if not runs or len(runs) < 2:
+        return fmt(r[key], spec)
+    return f"{fmt(r[key], spec)} ({fmt(min(runs), spec)}–{fmt(max(runs), spec)})"
 
 
 def table(results, configs, rates, iters) -> str:
@@ -198,21 +248,50 @@ def table(results, configs, rates, iters) -> str:
                 acc = "—" if r["last_word_acc"] is None else \
                     f"{100 * r['last_word_acc']:.1f} %, {r['last_word_nll']:.2f}"
                 lines.append(
-                    f"| {link} | {mname} | {fmt(r['sync_ms'])} | {d_sync:+.0f} % | "
-                    f"{fmt(r['iter_ms'], '.0f')} | {d_iter:+.0f} % | "
+                    f"| {link} | {mname} | {with_spread(r, 'sync_ms')} | {d_sync:+.0f} % | "
+                    f"{with_spread(r, 'iter_ms', '.0f')} | {d_iter:+.0f} % | "
                     f"{fmt(r.get('iter_ms_all'), '.0f')} | {fmt(r['mib'], '.2f')} | "
                     f"{fmt(r['val_loss'], '.4f')} | {d_loss:+.2f} % | {comp} | "
                     f"{fmt(r['bypassed'], '.1f')} | {acc} |")
     return "\n".join(lines)
 
 
+def ratio_cell(ratios: list, limit: float) -> str:
+    """``median [min–max]`` of paired ratios with the verdict against ``limit``: met only
+    when every repetition meets it; a range that spans 1 is no difference."""
+    med = float(numpy.median(ratios))
+    spread = f" [{min(ratios):.2f}–{max(ratios):.2f}]" if len(ratios) > 1 else ""
+    if max(ratios) <= limit:
+        mark = "✓"
+    elif len(ratios) > 1 and min(ratios) <= 1.0 <= max(ratios):
+        mark = "✗ (no difference)"
+    else:
+        mark = "✗"
+    return f"{med:.2f}x{spread} {mark}"
+
+
+def overhead_share(dense: dict, comp: dict) -> Optional[float]:
+    """Compression math per iteration over the communication time it saves:
+    ``compress / (dense sync − (compressed sync − compress))``; None without a saving."""
+    if comp.get("compress_ms") is None:
+        return None
+    saved = dense["sync_ms"] - (comp["sync_ms"] - comp["compress_ms"])
+    return comp["compress_ms"] / saved if saved > 0 else None
+
+
 def targets(results, configs, rates, iters) -> str:
-    """Issue 7's targets, computed from the table (met or not, never tuned)."""
+    """Issue 7's and issue 15's targets, computed from the table (met or not, never tuned).
+    Time ratios pair the modes' runs of one repetition; a verdict holds only if it holds
+    for every repetition."""
     lines = ["| config | link | dense sync share | EDGC sync cut (≥ 50 %) | EDGC iteration cut "
-             "(≥ 15 %) | val loss vs dense (≤ 1 %) | static r_max vs hook r_max ms/iter | "
-             "EDGC vs hook ms/iter |", "|---|---|---|---|---|---|---|---|"]
+             "(≥ 15 %) | val loss vs dense (≤ 1 %) | static r_max / hook r_max ms/iter "
+             "(≤ 0.95) | EDGC / hook ms/iter (≤ 0.95) | compression / comm saved, static "
+             "r_max (≤ 15 % at 300 Mbit, 1 Gbit) | EDGC ms/iter / no-comm floor (≤ 1.5×, "
+             "small at 300 Mbit) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cname in configs:
         _, r_max, r_min = CONFIGS[cname]
+        floor_row = results.get(f"{cname}|none|dense")
+        floor = None if floor_row is None else floor_row["iter_ms"] - floor_row["sync_ms"]
         for rate in rates:
             get = lambda m: results[f"{cname}|{rate}|{m}"]  # noqa: E731
             dense, edgc = get("dense"), get("EDGC")
@@ -224,14 +303,19 @@ def targets(results, configs, rates, iters) -> str:
             mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
             applies = share >= 0.35
             link = "unshaped" if rate == "none" else rate
+            over = overhead_share(dense, static)
+            over_cell = "no saving" if over is None else f"{100 * over:.0f} %" + (
+                f" {mark(over <= 0.15)}" if rate in ("300mbit", "1gbit") else "")
+            floor_cell = "—" if not floor else f"{edgc['iter_ms'] / floor:.2f}x" + (
+                f" {mark(edgc['iter_ms'] <= 1.5 * floor and abs(d_loss) <= 0.01)}"
+                if (cname, rate) == ("small", "300mbit") else "")
             lines.append(
                 f"| {cname} | {link} | {100 * share:.0f} %{'' if applies else ' (n/a)'} | "
                 f"{100 * cut_sync:.0f} % {mark(cut_sync >= 0.5) if applies else ''} | "
                 f"{100 * cut_iter:.0f} % {mark(cut_iter >= 0.15) if applies else ''} | "
                 f"{100 * d_loss:+.2f} % {mark(abs(d_loss) <= 0.01)} | "
-                f"{static['iter_ms'] / hook['iter_ms']:.2f}x "
-                f"{mark(static['iter_ms'] < hook['iter_ms'])} | "
-                f"{edgc['iter_ms'] / hook['iter_ms']:.2f}x {mark(edgc['iter_ms'] < hook['iter_ms'])} |")
+                f"{ratio_cell(paired_ratios(static, hook), 0.95)} | "
+                f"{ratio_cell(paired_ratios(edgc, hook), 0.95)} | {over_cell} | {floor_cell} |")
     return "\n".join(lines)
 
 
@@ -275,6 +359,8 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--rates", nargs="+", default=RATES)
     p.add_argument("--train-iters", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every mode per link (medians and spreads over them)")
     p.add_argument("--quick", action="store_true", help="tiny, 100mbit + unshaped, 16 iters")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs' metrics")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "slow_links"))
@@ -282,10 +368,13 @@ def main() -> int:
     if args.quick:
         args.configs, args.rates, args.train_iters = ["tiny"], ["100mbit", "none"], 16
     os.makedirs(args.out, exist_ok=True)
+    if args.repeats < 1:
+        p.error(f"--repeats: must be in [1, inf] (got {args.repeats})")
     results, emulated = run_all(args.configs, args.rates, args.train_iters, args.out,
-                                args.reuse)
+                                args.reuse, args.repeats)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"emulated": emulated, "iters": args.train_iters, "results": results}, fh,
+        json.dump({"emulated": emulated, "iters": args.train_iters, "repeats": args.repeats,
+                   "results": results}, fh,
                   indent=1)
     files = plots(results, args.configs, args.rates, args.train_iters, args.out)
     how = ("each rank in its own network namespace, veth links shaped with tbf at the rate "
@@ -293,9 +382,12 @@ def main() -> int:
            "**modelled**: namespaces unavailable, loopback runs + alpha-beta all-reduce time "
            "of the measured bytes at each rate")
     body = (f"Links: {how}. Columns: DP-sync = last backward done → gradients ready "
-            f"(slowest rank's stage) and ms/iter, means over the steady iterations (after "
+            f"(slowest rank's stage) and ms/iter: each run's mean over its steady iterations "
+            f"(after "
             f"EDGC's dense warm-up and the iteration where its bypass measured the link, the "
-            f"same range for every mode of a link); ms/iter whole run = iterations 4–"
+            f"same range for every mode of a link), then the median over {args.repeats} "
+            f"repetitions with (min–max) of them; the modes of a repetition run back to back, "
+            f"and time ratios pair them; ms/iter whole run = iterations 4–"
             f"{args.train_iters}, warm-up and calibration included; DP MiB/iter = whole job, "
             f"steady iterations; val loss after {args.train_iters} "
             f"iterations (same data); compress = PowerSGD math per iteration on the logging "

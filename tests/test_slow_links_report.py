@@ -3,7 +3,8 @@
 import pytest
 
 from bench.netns import alpha_beta_allreduce_s
-from bench.slow_links import CONFIGS, RANKS, modelled, modes, targets
+from bench.slow_links import (CONFIGS, RANKS, aggregate, modelled, modes, overhead_share,
+                               paired_ratios, ratio_cell, targets)
 
 
 def row(sync, it, mib, loss):
@@ -28,12 +29,48 @@ def test_target_verdicts():
     res["tiny|100mbit|dense"] = row(1000.0, 1300.0, 28.0, 5.00)   # sync share 77 %
     res["tiny|100mbit|EDGC"] = row(400.0, 1000.0, 3.0, 5.04)      # -60 %, -23 %, +0.8 %
     res[f"tiny|100mbit|hook r{r_max}"] = row(300.0, 900.0, 3.0, 5.0)
-    res[f"tiny|100mbit|static r{r_max}"] = row(250.0, 800.0, 3.0, 5.0)
+    res[f"tiny|100mbit|static r{r_max}"] = dict(row(250.0, 720.0, 3.0, 5.0), compress_ms=100.0)
     line = targets(res, ["tiny"], ["100mbit"], 30).splitlines()[-1]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == "77 %"
     assert cells[3] == "60 % ✓" and cells[4] == "23 % ✓" and cells[5] == "+0.80 % ✓"
-    assert cells[6] == "0.89x ✓" and cells[7] == "1.11x ✗"
+    assert cells[6] == "0.80x ✓" and cells[7] == "1.11x ✗"
+    # static r_max: 100 ms of math; dense sync 1000, static sync 250 -> 850 ms saved
+    assert cells[8] == "12 %"            # no verdict at 100 Mbit
+    assert cells[9] == "—"               # no unshaped run: no floor
+    res.update({f"tiny|300mbit|{k.split('|')[2]}": v for k, v in res.items()})
+    res.update({f"tiny|none|{k.split('|')[2]}": v for k, v in res.items()
+                if k.startswith("tiny|100mbit")})
+    res["tiny|none|dense"] = row(100.0, 800.0, 28.0, 5.0)   # floor 700 ms
+    line = targets(res, ["tiny"], ["300mbit"], 30).splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[8] == "12 % ✓" and cells[9] == "1.43x"   # the floor verdict is small's
     res["tiny|100mbit|dense"] = row(100.0, 1000.0, 28.0, 5.0)     # share 10 %: n/a
     cells = targets(res, ["tiny"], ["100mbit"], 30).splitlines()[-1].strip("|").split("|")
     assert cells[2].strip() == "10 % (n/a)" and "✓" not in cells[3] + cells[4]
+
+
+def test_repetitions_give_medians_spreads_and_paired_ratios():
+    reps = [dict(row(10.0, 100.0, 1.0, 5.0), iter_ms_all=110.0, compress_ms=None, saving_ms=None),
+            dict(row(30.0, 300.0, 1.0, 5.1), iter_ms_all=310.0, compress_ms=None, saving_ms=None),
+            dict(row(20.0, 140.0, 1.0, 5.2), iter_ms_all=150.0, compress_ms=None, saving_ms=None)]
+    agg = aggregate(reps)
+    assert agg["iter_ms"] == 140.0 and agg["sync_ms"] == 20.0 and agg["repeats"] == 3
+    assert agg["iter_ms_runs"] == [100.0, 300.0, 140.0] and agg["val_loss"] == 5.0
+    assert "compress_ms_runs" not in agg and agg["compress_ms"] is None
+    other = aggregate([dict(r, iter_ms=r["iter_ms"] * 2) for r in reps])
+    # paired by repetition: every ratio is exactly 0.5, although the spreads overlap
+    assert paired_ratios(agg, other) == [0.5, 0.5, 0.5]
+    assert ratio_cell([0.5, 0.5, 0.5], 0.95) == "0.50x [0.50–0.50] ✓"
+    assert ratio_cell([0.90, 0.94, 0.97], 0.95) == "0.94x [0.90–0.97] ✗"
+    assert ratio_cell([0.90, 0.99, 1.05], 0.95) == "0.99x [0.90–1.05] ✗ (no difference)"
+    assert ratio_cell([1.2], 0.95) == "1.20x ✗"
+
+
+def test_overhead_share_is_math_over_the_communication_it_saves():
+    dense = row(1000.0, 1300.0, 28.0, 5.0)
+    comp = dict(row(250.0, 600.0, 3.0, 5.0), compress_ms=100.0)
+    # communication with compression: 250 - 100 = 150 ms; saved 1000 - 150 = 850 ms
+    assert overhead_share(dense, comp) == pytest.approx(100.0 / 850.0)
+    assert overhead_share(row(100.0, 300.0, 28.0, 5.0), comp) is None   # nothing saved
+    assert overhead_share(dense, dict(comp, compress_ms=None)) is None
