@@ -43,8 +43,8 @@ def test_absorb_residual_hands_the_whole_error_to_the_dense_message():
     torch.manual_seed(0)
     comp = BucketCompressor([("a", (64, 32)), ("b", (64, 32)), ("bias", (1, 32))], 2)
     grads = [torch.randn(64, 32), torch.randn(64, 32), torch.randn(1, 32)]
-    buf, step = comp.start(grads)
-    comp.finish(step, comp.middle(step, buf))       # one compressed step, one process
+    bufs, step = comp.start(grads)
+    comp.finish(step, comp.middle(step, bufs))       # one compressed step, one process
     residuals = [g.residual.clone() for g in comp.groups.values()][0]
     assert residuals.abs().sum() > 0
     fresh = [torch.randn(64, 32), torch.randn(64, 32), torch.randn(1, 32)]
@@ -55,6 +55,6 @@ def test_absorb_residual_hands_the_whole_error_to_the_dense_message():
     assert torch.equal(fresh[2], before[2])
     assert all(g.residual.abs().sum() == 0 for g in comp.groups.values())
     q = [g.q.clone() for g in comp.groups.values()][0]
-    buf, step = comp.start(before)                  # next compressed step: warm start kept
+    bufs, step = comp.start(before)                 # next compressed step: warm start kept
     assert torch.equal(step.m[(64, 32)], torch.stack(before[:2]))
     assert torch.equal([g.q for g in comp.groups.values()][0], q)

@@ -13,16 +13,17 @@ from megatron_edgc.model_shapes import stage_param_shapes
 RANK = 4
 
 
-def expected_bytes(params: dict, n_buckets: int, rank: int) -> int:
-    """From the shapes: (n+m) r per compressed matrix, the rest dense, a flag per bucket."""
-    elements = n_buckets
+def expected_bytes(params: dict, n_buckets: int, rank: int, factor_bytes: int = 4) -> int:
+    """From the shapes: (n+m) r factor elements per compressed matrix and a flag per
+    bucket at ``factor_bytes`` each, the rest dense in fp32."""
+    factors, dense = n_buckets, 0
     for tensor in params.values():
         n, m = matrix_shape(tensor.shape)
         if n > 1 and is_compressible(n, m, rank, 2.0):
-            elements += (n + m) * rank
+            factors += (n + m) * rank
         else:
-            elements += tensor.numel()
-    return 4 * elements
+            dense += tensor.numel()
+    return factor_bytes * factors + 4 * dense
 
 
 #: Overlapped reduce and the distributed optimizer together (the version-compat run's DP case).
@@ -61,6 +62,26 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
             sorted(s for s in predicted[r["pp"]] if len(s) == 2), (r["tp"], r["pp"])
         assert sum(t.numel() for t in r["params"].values()) == \
             sum(math.prod(s) for s in predicted[r["pp"]])
+
+
+def test_bf16_factors_halve_the_factor_bytes(small_model_argv, tmp_path):
+    """``--edgc-factor-dtype bf16`` on gloo with overlapped buckets: P and Q in bf16, the
+    dense rest in fp32, bytes exactly from the shapes, replicas bit-identical, it trains."""
+    layout = DP_LAYOUTS["tp1-pp2-dp2-overlap"]
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(small_model_argv + layout + [
+        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--edgc-factor-dtype", "bf16",
+        "--metrics-file", metrics], str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert assert_dp_replicas_identical(results) > 0
+    logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
+    want = expected_bytes(logger["params"], logger["n_buckets"], RANK, factor_bytes=2)
+    fp32 = expected_bytes(logger["params"], logger["n_buckets"], RANK)
+    assert want < fp32
+    for rec in records:
+        assert rec["dp_bytes_sent"] == want
 
 
 def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):

@@ -16,8 +16,8 @@ from megatron_edgc.rank_allocation import (BudgetRankController, allocate_ranks,
 
 def one_rank_step(comp, grads):
     """A DP group of one: the collectives are the identity."""
-    buf, step = comp.start(grads)
-    q = comp.middle(step, buf.clone())
+    bufs, step = comp.start(grads)
+    q = comp.middle(step, [b.clone() for b in bufs])
     comp.finish(step, q.clone())
 
 

@@ -19,6 +19,11 @@ One step for a bucket, on every DP rank ``i``::
     E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
     Q    = sum Q                        warm start for the next step
 
+With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``[P |
+flag]`` and ``Q`` are bf16 collectives, the dense rest an fp32 one of its own, and all math
+stays fp32. Each rank's residual is taken against the bf16-rounded ``Q_i`` it actually
+sent, so its own rounding is fed back (only the rounding inside the SUM is not).
+
 The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_i M_i -
 M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
 ``powerSGD_hook`` keeps ``M_i - mean``, whose per-rank part random-walks at full rank.)
@@ -36,7 +41,8 @@ from typing import Optional, Sequence
 
 import torch
 
-FLOAT_BYTES = 4  # P, Q and the packed dense part travel in fp32
+FLOAT_BYTES = 4  # P, Q and the packed dense part travel in fp32 (by default)
+FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def is_compressible(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
@@ -95,6 +101,7 @@ class _Step:
     m: dict = field(default_factory=dict)      # group key -> M [k, n, m]
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
+    q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
 
 
 class BucketCompressor:
@@ -106,7 +113,8 @@ class BucketCompressor:
 
     def __init__(self, entries: Sequence[tuple[str, tuple[int, int]]], rank: int, *,
                  min_compression_rate: float = 2.0, seed: int = 0,
-                 compress_all: bool = False, device=None):
+                 compress_all: bool = False, device=None,
+                 factor_dtype: torch.dtype = torch.float32):
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.entries = [(name, (int(n), int(m))) for name, (n, m) in entries]
@@ -114,6 +122,7 @@ class BucketCompressor:
         self.seed = seed
         self.compress_all = compress_all  # tests: compress every matrix, even at full rank
         self.device = device
+        self.factor_dtype = factor_dtype  # P and Q on the wire; all math in fp32
         self.rank = rank
         self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
         #: When set, :meth:`finish` adds each group's captured energy per basis column to
@@ -206,6 +215,16 @@ class BucketCompressor:
         """Elements of the two collectives together."""
         return sum(self.collective_numels())
 
+    def collective_bytes(self) -> tuple[int, int]:
+        """Bytes of the two phases: ``[P | flag]`` and the dense rest, then ``Q``."""
+        first, second = self.collective_numels()
+        if self.factor_dtype == torch.float32:
+            return first * FLOAT_BYTES, second * FLOAT_BYTES
+        size = torch.finfo(self.factor_dtype).bits // 8
+        dense = first - 1 - sum(len(g.indices) * g.n * self._rank_for(g)
+                                for g in self.groups.values())
+        return (first - dense) * size + dense * FLOAT_BYTES, second * size
+
     def dense_numel(self) -> int:
         return sum(n * m for _, (n, m) in self.entries)
 
@@ -217,12 +236,14 @@ class BucketCompressor:
                            for name in g.names]).to(device)
         g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=torch.float32, device=device)
 
-    def start(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, _Step]:
-        """Error feedback and ``P = M Q``; returns ``[P... | dense... | flag]`` to SUM-reduce."""
+    def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, _Step]:
+        """Error feedback and ``P = M Q``; returns the buffers to SUM-reduce: ``[[P... |
+        dense... | flag]]``, or with bf16 factors ``[[P... | flag] (bf16), [dense...]]``
+        (the second only when there is a dense rest)."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
         device = grads[0].device
-        parts = []
+        p_parts, dense_parts = [], []
         local_nonfinite = False
         for key, g in self.groups.items():
             if g.q is None:
@@ -230,44 +251,63 @@ class BucketCompressor:
             m = torch.stack([grads[i].float() for i in g.indices])
             m += g.residual
             step.m[key] = m
-            parts.append(torch.bmm(m, g.q).reshape(-1))
+            p_parts.append(torch.bmm(m, g.q).reshape(-1))
         for i in self.dense_indices:
             name = self.entries[i][0]
             if name in self._pending_flush:
                 grads[i].add_(self._pending_flush.pop(name).view_as(grads[i]).to(grads[i].dtype))
-            parts.append(grads[i].float().reshape(-1))
-        for part in parts:
+            dense_parts.append(grads[i].float().reshape(-1))
+        for part in p_parts + dense_parts:
             if not torch.isfinite(part).all():
                 local_nonfinite = True
                 break
         flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=device)
-        return torch.cat(parts + [flag]), step
+        if self.factor_dtype == torch.float32:
+            return [torch.cat(p_parts + dense_parts + [flag])], step
+        # the flag sums exactly in bf16 (integers up to 256)
+        bufs = [torch.cat(p_parts + [flag]).to(self.factor_dtype)]
+        if dense_parts:
+            bufs.append(torch.cat(dense_parts))
+        return bufs, step
 
-    def middle(self, step: _Step, reduced: torch.Tensor) -> Optional[torch.Tensor]:
-        """After the first SUM: orthonormalize P, ``Q = M^T P``; returns Q to SUM-reduce.
+    def middle(self, step: _Step, reduced: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """After the first SUM (the buffers of :meth:`start`, reduced): orthonormalize P,
+        ``Q = M^T P``; returns Q to SUM-reduce (in the factor dtype).
 
         Returns None when some rank saw a non-finite value: the caller then reduces the
         raw bucket densely and the residuals stay as they were.
         """
-        if reduced[-1].item() > 0:
+        p_buf = reduced[0]
+        if p_buf[-1].item() > 0:
             return None
         offset = 0
         qs = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
-            p = reduced[offset:offset + k * g.n * r].view(k, g.n, r)
+            p = p_buf[offset:offset + k * g.n * r].view(k, g.n, r)
             offset += k * g.n * r
             p_hat = orthonormalize(p)
             step.p_hat[key] = p_hat
             step.q_local[key] = torch.bmm(step.m[key].transpose(1, 2), p_hat)
-            qs.append(step.q_local[key].reshape(-1))
+            if self.factor_dtype == torch.float32:
+                step.q_sent[key] = step.q_local[key]
+                qs.append(step.q_local[key].reshape(-1))
+            else:
+                sent = step.q_local[key].to(self.factor_dtype)
+                step.q_sent[key] = sent.float()
+                qs.append(sent.reshape(-1))
+        if len(reduced) > 1:  # bf16 factors: the dense rest came in its own fp32 buffer
+            assert offset == p_buf.numel() - 1
+            dense_buf, offset = reduced[1], 0
+        else:
+            dense_buf = p_buf
         for i in self.dense_indices:
             grad = step.grads[i]
-            grad.copy_(reduced[offset:offset + grad.numel()].view_as(grad))
+            grad.copy_(dense_buf[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-        assert offset == reduced.numel() - 1
+        assert offset == dense_buf.numel() - (1 if dense_buf is p_buf else 0)
         if not qs:
-            return torch.empty(0, device=reduced.device)
+            return torch.empty(0, device=p_buf.device, dtype=self.factor_dtype)
         return torch.cat(qs)
 
     def finish(self, step: _Step, reduced_q: torch.Tensor) -> None:
@@ -275,12 +315,12 @@ class BucketCompressor:
         offset = 0
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
-            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r)
+            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
             offset += k * g.m * r
             approx = torch.bmm(step.p_hat[key], q.transpose(1, 2))
             for j, i in enumerate(g.indices):
                 step.grads[i].copy_(approx[j])
-            g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_local[key].transpose(1, 2))
+            g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_sent[key].transpose(1, 2))
             g.q = q.clone()
             if self.track_spectrum:
                 self._add_spectrum(key, step.m[key], step.q_local[key])

@@ -7,10 +7,12 @@ all-reduce, or reduce-scatter for the distributed optimizer, async with
 module replaces those two methods on each bucket-group *instance*:
 
 * start: scale as Megatron does, then for each bucket compute ``P = (G + E) Q`` and launch
-  one SUM all-reduce of ``[P... | dense rest | non-finite flag]`` — asynchronously when
+  one SUM all-reduce of ``[P... | dense rest | non-finite flag]`` (with bf16 factors two:
+  ``[P... | flag]`` in bf16 and the dense rest in fp32) — asynchronously when
   ``overlap_grad_reduce`` is on, so each bucket goes out as soon as it is ready;
-* finish: wait, orthonormalize, all-reduce ``Q``, and write the decompressed average into
-  the bucket's ``grad_data`` — on every rank, so with the distributed optimizer each rank
+* finish: per bucket, wait, orthonormalize and launch the ``Q`` all-reduce (async, so one
+  bucket's ``Q`` travels while the next is orthonormalized); then, as the ``Q``\ s land,
+  write the decompressed average into the bucket's ``grad_data`` — on every rank, so with the distributed optimizer each rank
   simply reads its shard of it (the all-reduce replaces the reduce-scatter).
 
 Everything after (the tied-embedding sync between first and last stage, gradient
@@ -106,7 +108,7 @@ class DPGradientCompression:
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
-                 link: Optional[LinkModel] = None):
+                 link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32):
         features.require("ddp")
         # megatron-core 0.16.x: start/finish_grad_sync(force_all_reduce=False) and a
         # first-batch mode; 0.13.x-0.15.x: no argument, no first-batch mode.
@@ -138,7 +140,7 @@ class DPGradientCompression:
                     entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
                         entries, rank or 1, min_compression_rate=min_compression_rate,
-                        seed=seed, device=bucket.grad_data.device)
+                        seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype)
                     self._bucket_key[id(bucket)] = key
                     self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
                 self._patch(group)
@@ -169,9 +171,8 @@ class DPGradientCompression:
         costs = {key: max(0.0, a + b * self.rank) for key, (a, b) in self._cost_model.items()}
         dense = set()
         for key, comp in self.compressors.items():
-            first, second = comp.collective_numels()
-            saving = compression_saving_s(self.link, self._bucket_bytes[key],
-                                          first * FLOAT_BYTES, second * FLOAT_BYTES)
+            first, second = comp.collective_bytes()
+            saving = compression_saving_s(self.link, self._bucket_bytes[key], first, second)
             if saving <= costs[key]:
                 dense.add(key)
             else:
@@ -230,12 +231,13 @@ class DPGradientCompression:
                 comp = self.compressors[key]
                 scratch = BucketCompressor(comp.entries, rank,
                                            min_compression_rate=comp.min_compression_rate,
-                                           seed=self.seed, device=comp.device)
+                                           seed=self.seed, device=comp.device,
+                                           factor_dtype=comp.factor_dtype)
                 grads = [torch.randn(n, m, device=comp.device) for _, (n, m) in comp.entries]
 
                 def once():
-                    buf, step = scratch.start(grads)
-                    scratch.finish(step, scratch.middle(step, buf))
+                    bufs, step = scratch.start(grads)
+                    scratch.finish(step, scratch.middle(step, bufs))
 
                 once()  # allocates Q and the residual
                 times.append(min(self._timed(once), self._timed(once)))
@@ -305,7 +307,7 @@ class DPGradientCompression:
         return sum(_bucket_grad_bytes(b) for g in self.bucket_groups for b in g.buckets)
 
     def compressed_bytes_per_iteration(self) -> int:
-        return sum(c.compressed_numel() for c in self.compressors.values()) * FLOAT_BYTES
+        return sum(sum(c.collective_bytes()) for c in self.compressors.values())
 
     # ------------------------------------------------------------------ state
 
@@ -394,27 +396,35 @@ class DPGradientCompression:
                 stats.bypassed_buckets += 1
                 stats.bytes_sent += _bucket_grad_bytes(bucket)
                 stats.bytes_dense += _bucket_grad_bytes(bucket)
-                launched.append((bucket, None, None, None, handle))
+                launched.append((bucket, None, None, None, [handle]))
                 continue
-            buf, step = comp.start(grads)
+            bufs, step = comp.start(grads)
             stats.compress_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            handle = dist.all_reduce(buf, group=self.dp_group, async_op=async_op)
+            handles = [dist.all_reduce(buf, group=self.dp_group, async_op=async_op)
+                       for buf in bufs]
             stats.comm_s += time.perf_counter() - t0
-            stats.bytes_sent += buf.numel() * buf.element_size()
+            stats.bytes_sent += sum(buf.numel() * buf.element_size() for buf in bufs)
             stats.bytes_dense += _bucket_grad_bytes(bucket)
-            launched.append((bucket, comp, buf, step, handle))
+            launched.append((bucket, comp, bufs, step, handles))
 
         def finish():
-            for bucket, comp, buf, step, handle in launched:
+            # Pipelined second phase: as each bucket's P arrives, orthonormalize it and
+            # launch its Q all-reduce asynchronously, so bucket k's Q is on the wire while
+            # bucket k+1 is orthonormalized; then decompress in bucket order as the Qs land.
+            # Every rank issues the same collectives in the same order (the non-finite flag
+            # is part of the reduced P, so the dense fallback is taken everywhere or nowhere).
+            in_flight = []
+            for bucket, comp, bufs, step, handles in launched:
                 t0 = time.perf_counter()
-                if handle is not None:
-                    handle.wait()
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
                 stats.comm_s += time.perf_counter() - t0
                 if comp is None:  # bypassed: the dense all-reduce was the whole sync
                     continue
                 t0 = time.perf_counter()
-                q_buf = comp.middle(step, buf)
+                q_buf = comp.middle(step, bufs)
                 stats.compress_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if q_buf is None:  # a non-finite value somewhere: this bucket goes dense
@@ -426,9 +436,16 @@ class DPGradientCompression:
                     stats.bytes_sent += _bucket_grad_bytes(bucket)
                     stats.comm_s += time.perf_counter() - t0
                     continue
+                q_handle = None
                 if q_buf.numel():
-                    dist.all_reduce(q_buf, group=self.dp_group)
+                    q_handle = dist.all_reduce(q_buf, group=self.dp_group, async_op=True)
                     stats.bytes_sent += q_buf.numel() * q_buf.element_size()
+                stats.comm_s += time.perf_counter() - t0
+                in_flight.append((comp, step, q_buf, q_handle))
+            for comp, step, q_buf, q_handle in in_flight:
+                t0 = time.perf_counter()
+                if q_handle is not None:
+                    q_handle.wait()
                 stats.comm_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 comp.finish(step, q_buf)

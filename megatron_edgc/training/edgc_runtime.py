@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
+from megatron_edgc.compression.powersgd import FACTOR_DTYPES
 from megatron_edgc.patches.ddp import DPGradientCompression
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator
 from megatron_edgc.patches.timing import StageTimer
@@ -60,7 +61,8 @@ class EdgcRuntime:
             self.dp_compression = DPGradientCompression(
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
-                link=LinkModel.declared(e.link_gbps) if e.link_gbps else None)
+                link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
+                factor_dtype=FACTOR_DTYPES[e.factor_dtype])
             ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
                                      self.dp_compression.load_state_dict)
         # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.
