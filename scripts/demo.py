@@ -1,7 +1,15 @@
 #!/usr/bin/env python
-"""The main job on the tiny CPU default: train, then print a side-by-side summary.
+"""The main job on the tiny CPU default: dense vs EDGC over a slow link, side by side.
 
-    python scripts/demo.py [--train-iters N] [extra pretrain flags...]
+    python scripts/demo.py [--link 300mbit] [--train-iters N] [extra pretrain flags...]
+
+Compression pays only where the link is slower than the compression math, which loopback
+between local processes never is. So, as root, every rank runs in its own network
+namespace behind a tbf-shaped veth link at ``--link`` (bench/netns.py): the DP all-reduces
+and the pipeline sends really cross a 300 Mbit link. Without root (or with ``--link none``)
+the ranks run over loopback, EDGC's bypass is told the link rate (``--edgc-link-gbps``),
+and the table adds to each run's measured times the alpha-beta all-reduce time of its
+measured DP bytes at that rate, labelled "modelled".
 
 Each run writes ``runs/demo/<name>.jsonl`` (one record per iteration), its summary
 ``runs/demo/<name>.summary.json`` and TensorBoard events under ``runs/demo/tb/<name>``.
@@ -9,45 +17,121 @@ Each run writes ``runs/demo/<name>.jsonl`` (one record per iteration), its summa
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.netns import (NetnsUnavailable, ShapedNetwork, alpha_beta_allreduce_s,  # noqa: E402
+                         rate_bits)
+from megatron_edgc.config import ConfigError, parse_config  # noqa: E402
 
 # name -> extra flags (the EDGC settings are the edgc: section of the config).
-# EDGC: entropy-chosen ranks on the DP sync and the pipeline backward sends, with DAC.
-RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc"]}
+# EDGC: entropy-chosen ranks on the DP sync and the pipeline backward sends, with DAC; the
+# bypass sends a bucket dense wherever compressing it would not pay on the measured link.
+RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc",
+                              "--edgc-bypass", "auto"]}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"))
-    p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
-    args, extra = p.parse_known_args()
-    os.makedirs(args.out, exist_ok=True)
-    summaries = {}
-    for name, flags in RUNS.items():
-        print(f"=== {name} ===", flush=True)
-        metrics = os.path.join(args.out, f"{name}.jsonl")
-        cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), "--config", args.config,
-               "--metrics-file", metrics, "--tensorboard-dir", os.path.join(args.out, "tb", name),
-               *flags, *extra]
-        code = subprocess.call(cmd, cwd=ROOT)
-        if code:
-            return code
-        with open(os.path.splitext(metrics)[0] + ".summary.json") as fh:
-            summaries[name] = json.load(fh)
+def layout(config: str, extra: list) -> tuple:
+    """(world size, DP size) of the run the flags describe (validated, no process started)."""
+    cfg = parse_config(["--config", config, *extra])
+    p = cfg.parallel
+    dp = p.data_parallel_size or 1
+    return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * dp, dp
+
+
+def train(args, extra: list, world: int) -> int:
+    """Both runs, over the emulated link when namespaces can be made; records how in
+    ``OUT/link.json``."""
+    net = None
+    if args.link != "none":
+        try:
+            net = ShapedNetwork(world, args.link).__enter__()
+            how = (f"each of the {world} ranks in its own network namespace behind a "
+                   f"tbf-shaped {args.link} veth link (DP all-reduces and pipeline sends "
+                   f"cross it)")
+        except NetnsUnavailable as exc:
+            how = (f"loopback ({exc}); the {args.link} link is modelled: EDGC's bypass is "
+                   f"told the rate, and each run's DP all-reduce time at {args.link} "
+                   f"(alpha-beta, from its measured bytes) is added to its times")
+    else:
+        how = "loopback: local processes, where compression cannot pay"
+    print(f"link: {how}", flush=True)
+
+    try:
+        for i, (name, flags) in enumerate(RUNS.items()):
+            print(f"=== {name} ===", flush=True)
+            metrics = os.path.join(args.out, f"{name}.jsonl")
+            run_flags = list(flags)
+            if name != "dense" and net is None and args.link != "none":
+                run_flags += ["--edgc-link-gbps", str(rate_bits(args.link) / 1e9)]
+            cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+                   "--config", args.config, "--metrics-file", metrics,
+                   "--tensorboard-dir", os.path.join(args.out, "tb", name), *run_flags, *extra]
+            if net is not None:
+                codes = net.run(cmd, port=29700 + i, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+                code = max(abs(c) for c in codes)
+            else:
+                code = subprocess.call(cmd, cwd=ROOT)
+            if code:
+                return code
+    finally:
+        if net is not None:
+            net.close()
+
+    with open(os.path.join(args.out, "link.json"), "w") as fh:
+        json.dump({"rate": args.link, "how": how,
+                   "modelled": net is None and args.link != "none"}, fh)
+    return 0
+
+
+def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
+    """The side-by-side table: whole run, then after EDGC's warm-up (both runs)."""
+    modelled, rate, how = link["modelled"], link["rate"], link["how"]
     print()
-    print(f"{'run':<10} {'first loss':>10} {'final loss':>10} {'val loss':>9} {'val ppl':>9} "
-          f"{'ms/iter':>8} {'DP MiB/iter':>11} {'PP MiB/iter':>11}")
+    print(f"link: {how}")
+    tag = " (modelled)" if modelled else ""
+    print(f"{'run':<7} {'ms/iter' + tag:>19} {'DP-sync ms' + tag:>22} {'DP MiB/iter':>11} "
+          f"{'PP MiB/iter':>11} {'val loss':>9} {'vs dense':>9}")
+    dense_loss = summaries["dense"]["val_loss"]
     for name, s in summaries.items():
-        mib = "—" if s.get("dp_bytes_per_iter") is None else f"{s['dp_bytes_per_iter'] / 2**20:.2f}"
+        dp_bytes = s.get("dp_bytes_per_iter") or 0.0
+        extra_ms = (alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3
+                    if modelled else 0.0)
+        sync = s.get("grad_sync_ms")
+        sync_txt = "—" if sync is None or math.isnan(sync) else f"{sync + extra_ms:.1f}"
         pp = "dense" if s.get("pp_bytes_per_iter") is None \
             else f"{s['pp_bytes_per_iter'] / 2**20:.3f}"
-        print(f"{name:<10} {s['first_loss']:>10.4f} {s['final_loss']:>10.4f} {s['val_loss']:>9.4f} "
-              f"{s['val_ppl']:>9.2f} {s['ms_per_iter']:>8.1f} {mib:>11} {pp:>11}")
-    edgc_metrics = os.path.join(args.out, "edgc.jsonl")
+        print(f"{name:<7} {s['ms_per_iter'] + extra_ms:>19.1f} {sync_txt:>22} "
+              f"{dp_bytes / 2**20:>11.2f} {pp:>11} {s['val_loss']:>9.4f} "
+              f"{100 * (s['val_loss'] / dense_loss - 1):>+8.2f}%")
+    print("(whole-run means per iteration: EDGC's dense warm-up included)")
+    records = {name: [json.loads(line) for line in open(os.path.join(out, f"{name}.jsonl"))
+                      if line.strip()] for name in summaries}
+    start = next((r["warmup_end_iter"] for r in reversed(records.get("edgc", []))
+                  if r.get("warmup_end_iter") is not None), None)
+    if start is not None:
+        print(f"\nafter EDGC's warm-up (iterations {start + 1}-{records['edgc'][-1]['iteration']}"
+              f", both runs):")
+        print(f"{'run':<7} {'ms/iter' + tag:>19} {'DP-sync ms' + tag:>22} {'DP MiB/iter':>11}")
+        for name, recs in records.items():
+            after = [r for r in recs if r["iteration"] > start]
+            mean = lambda key: sum(r[key] for r in after) / len(after)  # noqa: E731
+            dp_bytes = mean("dp_bytes_sent_job")
+            extra_ms = (alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3
+                        if modelled else 0.0)
+            # per stage: the slowest stage's sync (NaN where a stage has none)
+            syncs = [max((x for x in r["grad_sync_ms"] if x is not None and x == x),
+                         default=0.0) if isinstance(r["grad_sync_ms"], list)
+                     else r["grad_sync_ms"] for r in after if r.get("grad_sync_ms") is not None]
+            sync_txt = "—" if not syncs else f"{max(0.0, sum(syncs) / len(syncs)) + extra_ms:.1f}"
+            print(f"{name:<7} {mean('iter_ms') + extra_ms:>19.1f} {sync_txt:>22} "
+                  f"{dp_bytes / 2**20:>11.2f}")
+    edgc_metrics = os.path.join(out, "edgc.jsonl")
     if os.path.exists(edgc_metrics):
         print("\nEDGC rank schedule (first iteration in force: DP rank per pipeline stage "
               "[CQM rank before DAC] | pipeline rank):")
@@ -55,10 +139,45 @@ def main() -> int:
         for rec in map(json.loads, open(edgc_metrics)):
             table = (rec.get("rank_dp"), rec.get("rank_cqm"), rec.get("rank_pp"))
             if table != last:
-                dp, cqm, pp = (" / ".join("dense" if r is None else str(r) for r in t or [])
-                               for t in (table[0], table[1], [table[2]]))
-                print(f"  {rec['iteration']:>5}: {dp} [{cqm}] | pp {pp}")
+                dp_r, cqm, pp = (" / ".join("dense" if r is None else str(r) for r in t or [])
+                                 for t in (table[0], table[1], [table[2]]))
+                print(f"  {rec['iteration']:>5}: {dp_r} [{cqm}] | pp {pp}")
                 last = table
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"))
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
+    p.add_argument("--report-only", action="store_true",
+                   help="print the table and plots of the runs already in --out")
+    p.add_argument("--link", default="300mbit",
+                   help="link rate of every rank, e.g. 100mbit, 1gbit; 'none': loopback")
+    args, extra = p.parse_known_args()
+    if args.link != "none":
+        try:
+            rate_bits(args.link)
+        except ValueError as exc:
+            p.error(f"--link: {exc}")
+    try:
+        world, dp = layout(args.config, extra)
+    except (ConfigError, SystemExit) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+
+    if not args.report_only:
+        code = train(args, extra, world)
+        if code:
+            return code
+    with open(os.path.join(args.out, "link.json")) as fh:
+        link = json.load(fh)
+    summaries = {}
+    for name in RUNS:
+        with open(os.path.join(args.out, f"{name}.summary.json")) as fh:
+            summaries[name] = json.load(fh)
+    report(args.out, summaries, world, dp, link)
+
     plots = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_run.py"),
                             *[os.path.join(args.out, f"{n}.jsonl") for n in RUNS],
                             "--out", os.path.join(args.out, "plots")],
