@@ -101,6 +101,9 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [("budget50-lr-step", "budget", seed,
               budget50_lr + ["--edgc-budget-step-limit", "on"])
              for seed in range(SEED0, SEED0 + seeds)]
+    # issue 15: P and Q in bf16 at r_max (half the factor bytes): free on this plane?
+    runs.append((f"static-r{r_max}-bf16", "static-bf16", SEED0,
+                 static + ["--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"]))
     # Target A's byte limit (60 % of r_max's) spent with twice r_max allowed, stepped and
     # LR-scheduled: room for the shapes whose error curve still pays above r_max
     runs.append((f"budget30-rmax{2 * r_max}-lr-step", "budget", SEED0,
@@ -277,7 +280,8 @@ def plot(testbed: str, agg: dict, path: str) -> None:
     for b, y, k in static:
         ax.annotate(k.replace("static-", ""), (b / mib, y), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
-    styles = {"dense": ("s", "black"), "paper": ("^", "tab:red"), "budget": ("*", "tab:green")}
+    styles = {"dense": ("s", "black"), "paper": ("^", "tab:red"), "budget": ("*", "tab:green"),
+              "static-bf16": ("D", "tab:cyan")}
     for k, v in agg.items():
         if v["controller"] == "static" or SEED0 not in v["by_seed"]:
             continue

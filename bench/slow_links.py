@@ -16,7 +16,8 @@ the same layout), same data, seed and iterations:
 
 * ``dense``: megatron-core's own DP all-reduce;
 * ``static r_max`` / ``static r_min``: PowerSGD at a fixed rank, compression forced
-  (``--edgc-bypass off``), from iteration 2 like the hook;
+  (``--edgc-bypass off``), from iteration 2 like the hook; ``static r_max bf16``: the same
+  with P and Q sent in bf16 (``--edgc-factor-dtype bf16``);
 * ``EDGC``: the entropy controller (windows scaled to the run) with the automatic bypass;
 * ``hook r_max``: PyTorch DDP + ``powerSGD_hook`` at r_max (bench/torch_ddp_powersgd.py).
 
@@ -69,6 +70,8 @@ def modes(r_max: int, r_min: int, iters: int) -> dict:
     return {
         "dense": ("pretrain_gpt2_edgc.py", ["--edgc-mode", "off", *last_word]),
         f"static r{r_max}": ("pretrain_gpt2_edgc.py", static + ["--edgc-rank", str(r_max)]),
+        f"static r{r_max} bf16": ("pretrain_gpt2_edgc.py", static + [
+            "--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"]),
         f"static r{r_min}": ("pretrain_gpt2_edgc.py", static + ["--edgc-rank", str(r_min)]),
         "EDGC": ("pretrain_gpt2_edgc.py", [
             "--edgc-mode", "edgc", "--edgc-bypass", "auto", "--edgc-rank-max", str(r_max),
