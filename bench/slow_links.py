@@ -137,25 +137,60 @@ def aggregate(reps: list) -> dict:
     the rest from the first repetition (same seed and data: the loss repeats)."""
     out = dict(reps[0])
     for key in TIMED:
-        vals = [r[key] for r in reps]
-        if any(v is None for v in vals):
-            continue
-        out[key] = float(numpy.median(vals))
-        out[f"{key}_runs"] = [float(v) for v in vals]
+        vals = [None if r.get(key) is None else float(r[key]) for r in reps]
+        known = [v for v in vals if v is not None]
+        out[key] = float(numpy.median(known)) if known else None
+        out[f"{key}_runs"] = vals
     out["repeats"] = len(reps)
     return out
 
 
+def rep_view(r: dict, i: int) -> dict:
+    """Repetition ``i`` of an aggregated row (its own timings; the rest shared). A row
+    without per-repetition figures is its own view."""
+    view = dict(r)
+    for key in TIMED:
+        runs = r.get(f"{key}_runs")
+        if runs is not None and i < len(runs):
+            view[key] = runs[i]
+    return view
+
+
+def per_rep(fn, *rows) -> list:
+    """``fn`` of each repetition's figures of ``rows``, paired by repetition (the modes of
+    one repetition ran back to back); repetitions where ``fn`` gives None are left out."""
+    n = min(r.get("repeats", 1) for r in rows)
+    vals = [fn(*(rep_view(r, i) for r in rows)) for i in range(n)]
+    return [v for v in vals if v is not None]
+
+
 def runs_of(r: dict, key: str) -> list:
-    return r.get(f"{key}_runs") or [r[key]]
+    return [v for v in (r.get(f"{key}_runs") or [r[key]]) if v is not None]
+
+
+def _ratio(key: str):
+    def fn(a, b):
+        return None if a.get(key) is None or not b.get(key) else a[key] / b[key]
+    return fn
 
 
 def paired_ratios(a: dict, b: dict, key: str = "iter_ms") -> list:
     """``a/b`` of each repetition, pairing the runs made side by side (same repetition)."""
-    ra, rb = runs_of(a, key), runs_of(b, key)
-    if len(ra) != len(rb):
-        return [float(numpy.median(ra)) / float(numpy.median(rb))]
-    return [x / y for x, y in zip(ra, rb)]
+    return per_rep(_ratio(key), a, b)
+
+
+def spread_cell(vals: list, spec: str, ok=None, scale: float = 1.0, unit: str = "") -> str:
+    """``median [min–max]`` of per-repetition values, and ✓ only if ``ok`` holds for every
+    repetition (no mark without ``ok``)."""
+    if not vals:
+        return "—"
+    f = lambda v: format(v * scale, spec)  # noqa: E731
+    text = f"{f(float(numpy.median(vals)))}{unit}"
+    if len(vals) > 1:
+        text += f" [{f(min(vals))}–{f(max(vals))}]"
+    if ok is not None:
+        text += " ✓" if all(ok(v) for v in vals) else " ✗"
+    return text
 
 
 def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bool]:
@@ -294,28 +329,32 @@ def targets(results, configs, rates, iters) -> str:
     for cname in configs:
         _, r_max, r_min = CONFIGS[cname]
         floor_row = results.get(f"{cname}|none|dense")
-        floor = None if floor_row is None else floor_row["iter_ms"] - floor_row["sync_ms"]
         for rate in rates:
             get = lambda m: results[f"{cname}|{rate}|{m}"]  # noqa: E731
             dense, edgc = get("dense"), get("EDGC")
             hook, static = get(f"hook r{r_max}"), get(f"static r{r_max}")
             share = dense["sync_ms"] / dense["iter_ms"]
-            cut_sync = 1 - edgc["sync_ms"] / dense["sync_ms"]
-            cut_iter = 1 - edgc["iter_ms"] / dense["iter_ms"]
             d_loss = edgc["val_loss"] / dense["val_loss"] - 1
             mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
             applies = share >= 0.35
             link = "unshaped" if rate == "none" else rate
-            over = overhead_share(dense, static)
-            over_cell = "no saving" if over is None else f"{100 * over:.0f} %" + (
-                f" {mark(over <= 0.15)}" if rate in ("300mbit", "1gbit") else "")
-            floor_cell = "—" if not floor else f"{edgc['iter_ms'] / floor:.2f}x" + (
-                f" {mark(edgc['iter_ms'] <= 1.5 * floor and abs(d_loss) <= 0.01)}"
-                if (cname, rate) == ("small", "300mbit") else "")
+            cut_sync = per_rep(lambda e, d: 1 - e["sync_ms"] / d["sync_ms"], edgc, dense)
+            cut_iter = per_rep(lambda e, d: 1 - e["iter_ms"] / d["iter_ms"], edgc, dense)
+            over = per_rep(overhead_share, dense, static)
+            over_cell = "no saving" if not over else spread_cell(
+                over, ".0f", (lambda v: v <= 0.15) if rate in ("300mbit", "1gbit") else None,
+                scale=100, unit=" %")
+            floor_cell = "—"
+            if floor_row is not None:
+                ratios = per_rep(lambda e, f: e["iter_ms"] / (f["iter_ms"] - f["sync_ms"]),
+                                 edgc, floor_row)
+                verdict = (lambda v: v <= 1.5 and abs(d_loss) <= 0.01) \
+                    if (cname, rate) == ("small", "300mbit") else None
+                floor_cell = spread_cell(ratios, ".2f", verdict, unit="x")
             lines.append(
                 f"| {cname} | {link} | {100 * share:.0f} %{'' if applies else ' (n/a)'} | "
-                f"{100 * cut_sync:.0f} % {mark(cut_sync >= 0.5) if applies else ''} | "
-                f"{100 * cut_iter:.0f} % {mark(cut_iter >= 0.15) if applies else ''} | "
+                f"{spread_cell(cut_sync, '.0f', (lambda v: v >= 0.5) if applies else None, 100, ' %')} | "
+                f"{spread_cell(cut_iter, '.0f', (lambda v: v >= 0.15) if applies else None, 100, ' %')} | "
                 f"{100 * d_loss:+.2f} % {mark(abs(d_loss) <= 0.01)} | "
                 f"{ratio_cell(paired_ratios(static, hook), 0.95)} | "
                 f"{ratio_cell(paired_ratios(edgc, hook), 0.95)} | {over_cell} | {floor_cell} |")

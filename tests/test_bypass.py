@@ -58,3 +58,10 @@ def test_absorb_residual_hands_the_whole_error_to_the_dense_message():
     bufs, step = comp.start(before)                 # next compressed step: warm start kept
     assert torch.equal(step.m[(64, 32)], torch.stack(before[:2]))
     assert torch.equal([g.q for g in comp.groups.values()][0], q)
+
+
+def test_each_first_phase_collective_pays_its_latency():
+    link = LinkModel(alpha_s=1e-3, s_per_byte=1e-9)
+    one = compression_saving_s(link, 10_000, 600, 400)
+    two = compression_saving_s(link, 10_000, [200, 400], 400)
+    assert one - two == pytest.approx(link.alpha_s)

@@ -14,16 +14,17 @@ RANK = 4
 
 
 def expected_bytes(params: dict, n_buckets: int, rank: int, factor_bytes: int = 4) -> int:
-    """From the shapes: (n+m) r factor elements per compressed matrix and a flag per
-    bucket at ``factor_bytes`` each, the rest dense in fp32."""
-    factors, dense = n_buckets, 0
+    """From the shapes: (n+m) r factor elements per compressed matrix at ``factor_bytes``
+    each, the rest dense in fp32, and a flag per bucket (fp32: with bf16 factors it rides
+    with the dense rest, which every bucket of these models has)."""
+    factors, dense = 0, 0
     for tensor in params.values():
         n, m = matrix_shape(tensor.shape)
         if n > 1 and is_compressible(n, m, rank, 2.0):
             factors += (n + m) * rank
         else:
             dense += tensor.numel()
-    return factor_bytes * factors + 4 * dense
+    return factor_bytes * factors + 4 * (dense + n_buckets)
 
 
 #: Overlapped reduce and the distributed optimizer together (the version-compat run's DP case).

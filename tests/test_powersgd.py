@@ -240,7 +240,7 @@ def test_bf16_factors_halve_the_factor_bytes_at_fp32_error():
     comp = BucketCompressor(entries, r, factor_dtype=torch.bfloat16)
     p_numel = 2 * 96 * r + 64 * r
     q_numel = 2 * 64 * r + 256 * r
-    assert b16["sent"] == 2 * (p_numel + 1) + 4 * 64 + 2 * q_numel == sum(comp.collective_bytes())
+    assert b16["sent"] == 2 * p_numel + 4 * (64 + 1) + 2 * q_numel == sum(comp.collective_bytes())
     assert f32["sent"] == 4 * (p_numel + 64 + 1 + q_numel)
     # bf16 rounding (2^-8 relative) is far below rank-4 compression error: per step and
     # for the accumulated update (error feedback) the two agree closely
@@ -249,3 +249,35 @@ def test_bf16_factors_halve_the_factor_bytes_at_fp32_error():
     assert mean_f32 > 1e-3
     assert abs(mean_b16 - mean_f32) <= 0.05 * mean_f32 + 1e-4
     assert b16["drift"] <= f32["drift"] * 1.1 + 5e-3
+
+
+@pytest.mark.parametrize("entries", [
+    [("w", (64, 48)), ("v", (64, 48))],                  # no dense rest: flag rides with P
+    [("b", (1, 48)), ("c", (1, 16))],                     # nothing compressible: one fp32 buffer
+    [("w", (64, 48)), ("b", (1, 48))],                    # both: [P] bf16, [dense | flag] fp32
+])
+def test_bf16_factor_buffer_layouts(entries):
+    comps = [BucketCompressor(entries, 4, factor_dtype=torch.bfloat16) for _ in range(2)]
+    gen = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(2)]
+    dense_sum = [grads[0][i] + grads[1][i] for i, (_, s) in enumerate(entries) if s[0] == 1]
+    bufs, _ = comps[0].start([g.clone() for g in grads[0]])
+    assert [b.numel() * b.element_size() for b in bufs] == comps[0].first_collectives()
+    has_p, has_dense = bool(comps[0].groups), bool(comps[0].dense_indices)
+    assert [b.dtype for b in bufs] == ([torch.bfloat16] if has_p else []) + (
+        [torch.float32] if has_dense else [])
+    sent = simulated_step(comps, grads)
+    assert sent == sum(comps[0].collective_bytes())
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    dense_out = [g for g, (_, s) in zip(grads[0], entries) if s[0] == 1]
+    assert all(torch.equal(a, b) for a, b in zip(dense_out, dense_sum))   # dense rest exact
+
+
+def test_bf16_overflow_is_flagged_non_finite():
+    """A P element finite in fp32 but beyond bf16's range is caught after the cast."""
+    entries = [("w", (64, 48)), ("b", (1, 48))]
+    comp = BucketCompressor(entries, 2, factor_dtype=torch.bfloat16)
+    grads = [torch.zeros(64, 48), torch.zeros(1, 48)]
+    grads[0][0, 0] = 3.0e38
+    bufs, step = comp.start(grads)
+    assert bufs[-1][-1] == 1.0 and comp.middle(step, bufs) is None

@@ -57,7 +57,7 @@ def test_repetitions_give_medians_spreads_and_paired_ratios():
     agg = aggregate(reps)
     assert agg["iter_ms"] == 140.0 and agg["sync_ms"] == 20.0 and agg["repeats"] == 3
     assert agg["iter_ms_runs"] == [100.0, 300.0, 140.0] and agg["val_loss"] == 5.0
-    assert "compress_ms_runs" not in agg and agg["compress_ms"] is None
+    assert agg["compress_ms_runs"] == [None, None, None] and agg["compress_ms"] is None
     other = aggregate([dict(r, iter_ms=r["iter_ms"] * 2) for r in reps])
     # paired by repetition: every ratio is exactly 0.5, although the spreads overlap
     assert paired_ratios(agg, other) == [0.5, 0.5, 0.5]
@@ -74,3 +74,31 @@ def test_overhead_share_is_math_over_the_communication_it_saves():
     assert overhead_share(dense, comp) == pytest.approx(100.0 / 850.0)
     assert overhead_share(row(100.0, 300.0, 28.0, 5.0), comp) is None   # nothing saved
     assert overhead_share(dense, dict(comp, compress_ms=None)) is None
+
+
+def test_verdicts_hold_per_repetition():
+    """A median that passes is not enough: every repetition must; a repetition with a gap
+    is left out of the pairing, not turned into a ratio of medians."""
+    def agg(syncs, iters, compress=None):
+        return aggregate([dict(row(s, i, 1.0, 5.0), iter_ms_all=i, saving_ms=None,
+                               compress_ms=None if compress is None else compress[k])
+                          for k, (s, i) in enumerate(zip(syncs, iters))])
+    a = agg([10.0, None, 30.0], [100.0, 200.0, 300.0])
+    b = agg([20.0, 20.0, 20.0], [100.0, 100.0, 100.0])
+    assert paired_ratios(a, b, "sync_ms") == [0.5, 1.5]
+    assert a["sync_ms"] == 20.0
+    _, r_max, r_min = CONFIGS["small"]
+    res = {f"small|300mbit|{n}": agg([100.0] * 3, [200.0] * 3)
+           for n in modes(r_max, r_min, 30)}
+    # floor per repetition 700, 700, 400: EDGC at 1000 is 1.43x, 1.43x, 2.5x -> not met
+    res["small|none|dense"] = agg([100.0, 100.0, 400.0], [800.0, 800.0, 800.0])
+    res["small|300mbit|EDGC"] = agg([100.0] * 3, [1000.0] * 3)
+    res["small|300mbit|dense"] = agg([1000.0] * 3, [1300.0] * 3)
+    res[f"small|300mbit|static r{r_max}"] = agg([250.0, 250.0, 500.0], [720.0] * 3,
+                                                [100.0, 100.0, 100.0])
+    line = targets(res, ["small"], ["300mbit"], 30).splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[9] == "1.43x [1.43–2.50] ✗"
+    # overhead per repetition: 100/850, 100/850, 100/600 -> 12, 12, 17 % -> not met
+    assert cells[8] == "12 % [12–17] ✗"
+    assert cells[3] == "90 % [90–90] ✓"

@@ -55,10 +55,14 @@ class LinkModel:
         return cls(alpha, beta)
 
 
-def compression_saving_s(link: LinkModel, dense_bytes: float, p_bytes: float,
+def compression_saving_s(link: LinkModel, dense_bytes: float, p_bytes,
                          q_bytes: float) -> float:
-    """Communication time a compressed sync saves over the dense one (may be negative)."""
-    compressed = link.allreduce_s(p_bytes) + (link.allreduce_s(q_bytes) if q_bytes else 0.0)
+    """Communication time a compressed sync saves over the dense one (may be negative).
+    ``p_bytes``: the first phase's bytes, or a list of them, one per collective (bf16
+    factors send P and the dense rest apart: each pays its latency)."""
+    firsts = p_bytes if isinstance(p_bytes, (list, tuple)) else [p_bytes]
+    compressed = sum(link.allreduce_s(b) for b in firsts) + \
+        (link.allreduce_s(q_bytes) if q_bytes else 0.0)
     return link.allreduce_s(dense_bytes) - compressed
 
 

@@ -19,9 +19,9 @@ One step for a bucket, on every DP rank ``i``::
     E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
     Q    = sum Q                        warm start for the next step
 
-With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``[P |
-flag]`` and ``Q`` are bf16 collectives, the dense rest an fp32 one of its own, and all math
-stays fp32. Each rank's residual is taken against the bf16-rounded ``Q_i`` it actually
+With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
+and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
+flag rides with ``P`` in a bucket without a dense rest), and all math stays fp32. Each rank's residual is taken against the bf16-rounded ``Q_i`` it actually
 sent, so its own rounding is fed back (only the rounding inside the SUM is not).
 
 The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_i M_i -
@@ -216,14 +216,24 @@ class BucketCompressor:
         return sum(self.collective_numels())
 
     def collective_bytes(self) -> tuple[int, int]:
-        """Bytes of the two phases: ``[P | flag]`` and the dense rest, then ``Q``."""
-        first, second = self.collective_numels()
+        """Bytes of the two phases (first: P, the dense rest and the flag; second: Q)."""
+        return sum(self.first_collectives()), self.collective_numels()[1] * self._factor_size()
+
+    def first_collectives(self) -> list:
+        """Bytes of each collective of the first phase, in the order :meth:`start` returns
+        them: one buffer with fp32 factors; with bf16 factors ``[P]`` (bf16) and
+        ``[dense | flag]`` (fp32), either absent when empty (the flag then rides with P)."""
+        first, _ = self.collective_numels()
         if self.factor_dtype == torch.float32:
-            return first * FLOAT_BYTES, second * FLOAT_BYTES
-        size = torch.finfo(self.factor_dtype).bits // 8
-        dense = first - 1 - sum(len(g.indices) * g.n * self._rank_for(g)
-                                for g in self.groups.values())
-        return (first - dense) * size + dense * FLOAT_BYTES, second * size
+            return [first * FLOAT_BYTES]
+        p = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
+        dense = first - 1 - p
+        if not dense:
+            return [(p + 1) * self._factor_size()]
+        return ([p * self._factor_size()] if p else []) + [(dense + 1) * FLOAT_BYTES]
+
+    def _factor_size(self) -> int:
+        return torch.finfo(self.factor_dtype).bits // 8
 
     def dense_numel(self) -> int:
         return sum(n * m for _, (n, m) in self.entries)
@@ -238,8 +248,8 @@ class BucketCompressor:
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, _Step]:
         """Error feedback and ``P = M Q``; returns the buffers to SUM-reduce: ``[[P... |
-        dense... | flag]]``, or with bf16 factors ``[[P... | flag] (bf16), [dense...]]``
-        (the second only when there is a dense rest)."""
+        dense... | flag]]``, or with bf16 factors ``[[P...] (bf16), [dense... | flag]]``
+        (``[[P... | flag]]`` without a dense rest, ``[[dense... | flag]]`` without P)."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
         device = grads[0].device
@@ -257,6 +267,8 @@ class BucketCompressor:
             if name in self._pending_flush:
                 grads[i].add_(self._pending_flush.pop(name).view_as(grads[i]).to(grads[i].dtype))
             dense_parts.append(grads[i].float().reshape(-1))
+        if self.factor_dtype != torch.float32:  # checked after the cast: it may overflow
+            p_parts = [part.to(self.factor_dtype) for part in p_parts]
         for part in p_parts + dense_parts:
             if not torch.isfinite(part).all():
                 local_nonfinite = True
@@ -264,11 +276,9 @@ class BucketCompressor:
         flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=device)
         if self.factor_dtype == torch.float32:
             return [torch.cat(p_parts + dense_parts + [flag])], step
-        # the flag sums exactly in bf16 (integers up to 256)
-        bufs = [torch.cat(p_parts + [flag]).to(self.factor_dtype)]
-        if dense_parts:
-            bufs.append(torch.cat(dense_parts))
-        return bufs, step
+        if not dense_parts:  # the flag rides with P (it sums exactly in bf16 up to 256)
+            return [torch.cat(p_parts + [flag.to(self.factor_dtype)])], step
+        return ([torch.cat(p_parts)] if p_parts else []) + [torch.cat(dense_parts + [flag])], step
 
     def middle(self, step: _Step, reduced: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         """After the first SUM (the buffers of :meth:`start`, reduced): orthonormalize P,
@@ -277,9 +287,11 @@ class BucketCompressor:
         Returns None when some rank saw a non-finite value: the caller then reduces the
         raw bucket densely and the residuals stay as they were.
         """
-        p_buf = reduced[0]
-        if p_buf[-1].item() > 0:
+        # the flag ends the last buffer: [P... | dense... | flag], [P | flag] or [dense | flag]
+        if reduced[-1][-1].item() > 0:
             return None
+        split = len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.groups)
+        p_buf = reduced[0]
         offset = 0
         qs = []
         for key, g in self.groups.items():
@@ -296,16 +308,16 @@ class BucketCompressor:
                 sent = step.q_local[key].to(self.factor_dtype)
                 step.q_sent[key] = sent.float()
                 qs.append(sent.reshape(-1))
-        if len(reduced) > 1:  # bf16 factors: the dense rest came in its own fp32 buffer
-            assert offset == p_buf.numel() - 1
-            dense_buf, offset = reduced[1], 0
+        if split:  # bf16 factors: the dense rest (and the flag) came in their own buffer
+            assert offset == (p_buf.numel() if len(reduced) > 1 else 0)
+            dense_buf, offset = reduced[-1], 0
         else:
             dense_buf = p_buf
         for i in self.dense_indices:
             grad = step.grads[i]
             grad.copy_(dense_buf[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-        assert offset == dense_buf.numel() - (1 if dense_buf is p_buf else 0)
+        assert offset == dense_buf.numel() - 1
         if not qs:
             return torch.empty(0, device=p_buf.device, dtype=self.factor_dtype)
         return torch.cat(qs)

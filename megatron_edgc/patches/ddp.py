@@ -171,8 +171,9 @@ class DPGradientCompression:
         costs = {key: max(0.0, a + b * self.rank) for key, (a, b) in self._cost_model.items()}
         dense = set()
         for key, comp in self.compressors.items():
-            first, second = comp.collective_bytes()
-            saving = compression_saving_s(self.link, self._bucket_bytes[key], first, second)
+            _, second = comp.collective_bytes()
+            saving = compression_saving_s(self.link, self._bucket_bytes[key],
+                                          comp.first_collectives(), second)
             if saving <= costs[key]:
                 dense.add(key)
             else:
