@@ -101,6 +101,10 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [("budget50-lr-step", "budget", seed,
               budget50_lr + ["--edgc-budget-step-limit", "on"])
              for seed in range(SEED0, SEED0 + seeds)]
+    # the same stepped, LR-scheduled budget with errors weighed as Adam's update sees them
+    runs.append(("budget50-lr-step-adam", "budget", SEED0,
+                 budget50_lr + ["--edgc-budget-step-limit", "on",
+                                "--edgc-budget-weight", "adam"]))
     # issue 15: P and Q in bf16 at r_max (half the factor bytes): free on this plane?
     runs.append((f"static-r{r_max}-bf16", "static-bf16", SEED0,
                  static + ["--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"]))
@@ -359,7 +363,8 @@ def report(testbeds: list, entries: list) -> None:
             "budget following sqrt(LR); `budget50-lr-step`: the same, each shape's rank moving at "
             "most --edgc-rank-step per window; `budget25-rmax…`: twice r_max, a quarter of those "
             "bytes; `budget30-rmax…-lr-step`: twice r_max, 0.3 of its bytes, LR-scheduled and "
-            "stepped) are marked. A difference inside the seed spread is no "
+            "stepped; `…-adam`: errors weighed by Adam's second moment, "
+            "--edgc-budget-weight adam) are marked. A difference inside the seed spread is no "
             "difference.\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",
                   "python bench/pareto.py", body)

@@ -437,6 +437,12 @@ class EdgcConfig:
                                          "moves at most --edgc-rank-step per window (EDGC's "
                                          "step limit s); off: any change",
                                   choices=("off", "on"))
+    budget_weight: str = knob("elements", "budget controller: what a matrix shape's error "
+                                          "costs: elements: its relative error times its "
+                                          "element count; adam: its residual as Adam's "
+                                          "update sees it (divided by the optimizer's second "
+                                          "moment, read at each window end)",
+                              choices=("elements", "adam"))
     window: int = knob(1000, "window w in iterations between rank decisions (paper: 1000)",
                        min=1)
     iter_sample_rate: float = knob(0.1, "GDS iteration sampling rate α: entropy is measured on "
@@ -494,9 +500,22 @@ class EdgcConfig:
         if self.pp_rank_min > self.pp_rank_max:
             raise ConfigError("--edgc-pp-rank-min", f"must be <= --edgc-pp-rank-max "
                                                     f"({self.pp_rank_max}), got {self.pp_rank_min}")
+        if self.budget_weight == "adam" and (self.mode != "edgc" or self.controller != "budget"):
+            raise ConfigError("--edgc-budget-weight", "adam weighs the budget controller's "
+                                                      "allocation: needs --edgc-mode edgc "
+                                                      "--edgc-controller budget")
         if self.pp_compression == "edgc" and self.mode != "edgc":
             raise ConfigError("--edgc-pp-compression", "edgc needs --edgc-mode edgc (the "
                                                        "window machinery); use static otherwise")
+
+    def check_layout(self, parallel) -> None:
+        """Rules between these flags and the parallel layout."""
+        if self.budget_weight == "adam" and parallel.use_distributed_optimizer:
+            raise ConfigError("--edgc-budget-weight", "adam reads each parameter's whole "
+                                                      "second moment; the distributed "
+                                                      "optimizer shards it (drop "
+                                                      "--use-distributed-optimizer or use "
+                                                      "elements)")
 
     @property
     def dac_active(self) -> bool:
@@ -542,6 +561,7 @@ class RunConfig:
         self.logging.resolve()
         self.checkpoint.resolve()
         self.edgc.resolve()
+        self.edgc.check_layout(self.parallel)
 
         m, p, t = self.model, self.parallel, self.training
         tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \

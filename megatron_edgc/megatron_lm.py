@@ -130,6 +130,7 @@ def run_config(args) -> RunConfig:
                                                    f"--pipeline-model-parallel-size >= 2, got "
                                                    f"{p.pipeline_model_parallel_size}")
     _refuse_unsupported(args)
+    e.check_layout(p)
     if args.edgc_metrics_file:
         check_writable("--edgc-metrics-file", args.edgc_metrics_file, is_file=True)
     return cfg
@@ -194,12 +195,12 @@ def _setup_model_and_optimizer(original):
     def setup_model_and_optimizer(*args, **kwargs):
         model, optimizer, scheduler = original(*args, **kwargs)
         if _compression_on():
-            _build_runtime(model, scheduler)
+            _build_runtime(model, optimizer, scheduler)
         return model, optimizer, scheduler
     return setup_model_and_optimizer
 
 
-def _build_runtime(model, scheduler) -> None:
+def _build_runtime(model, optimizer, scheduler) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import mpu
@@ -242,7 +243,7 @@ def _build_runtime(model, scheduler) -> None:
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=get_num_microbatches(),
         activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
-        device=device, lr_at=lr_at)
+        device=device, lr_at=lr_at, optimizer=optimizer)
     if _state.stashed is not None:
         saved, dp_changed = _state.stashed
         reset = ckpt.restore_rank_state(saved, dp_changed)

@@ -47,7 +47,8 @@ def max_rank_of(n: int, m: int, rank_max: int, min_compression_rate: float) -> i
 
 def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
                    budget_bytes: float, r_min: int, previous: Optional[Sequence[int]] = None,
-                   max_step: Optional[int] = None) -> list:
+                   max_step: Optional[int] = None,
+                   weights: Optional[Sequence[float]] = None) -> list:
     """Greedy allocation of ranks to shape groups under a byte budget.
 
     ``groups``: ``(n, m, count, r_hi)`` per group (``r_hi`` its largest allowed rank);
@@ -60,6 +61,10 @@ def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
     previous rank (EDGC's step limit s, §4): it starts at ``previous - max_step`` (or
     ``r_min``) and grows to at most ``previous + max_step``; when even the lowest allowed
     ranks exceed the budget, they are returned (the budget is met a window later).
+
+    ``weights`` (default: each group's element count ``count·n·m``) is what a unit of
+    captured-energy fraction is worth per group (``--edgc-budget-weight adam``: the
+    group's error as Adam's update sees it, :func:`adam_weights`).
     """
     lo = [min(r_min, g[3]) for g in groups]
     hi = [g[3] for g in groups]
@@ -76,7 +81,8 @@ def allocate_ranks(groups: Sequence[tuple], captured: Sequence[Sequence[float]],
             cost = count * (n + m) * FLOAT_BYTES
             if spent + cost > budget_bytes + 1e-9:
                 continue
-            gain = count * n * m * (captured[i][r + 1] - captured[i][r]) / cost
+            weight = count * n * m if weights is None else weights[i]
+            gain = weight * (captured[i][r + 1] - captured[i][r]) / cost
             if best is None or gain > best_gain:
                 best, best_gain = i, gain
         if best is None:
@@ -112,6 +118,24 @@ def extend_curve(fresh: list, r_hi: int) -> list:
     while len(curve) < r_hi + 1:
         curve.append(min(1.0, curve[-1] + last))
     return curve
+
+
+def adam_weights(totals: Sequence[float], scaled: Sequence[float],
+                 plain: Sequence[float]) -> Optional[list]:
+    """Per-group allocation weights from Adam's view of the error: ``k_g · T_g``.
+
+    ``T_g`` is the group's gradient energy ``Σ‖M‖²`` (the spectrum's total), and
+    ``k_g = Σ E²/(√v+ε)² / Σ E²`` the gain of Adam's per-element normalisation on the
+    group's current residual ``E`` (``v``: the optimizer's second moment). The error a
+    rank leaves in Adam's update is then ``k_g · T_g · (1 − captured_g(r))``, assuming the
+    gain does not depend on the rank. Where the residual is spread like the gradient
+    (``v ≈ g²``) this is the element count again; it grows where the residual sits on
+    elements with a small second moment (rare tokens' embedding rows). None when some
+    group has no measured residual (the caller keeps element weights).
+    """
+    if any(p <= 0 for p in plain):
+        return None
+    return [t * q / p for t, q, p in zip(totals, scaled, plain)]
 
 
 def sqrt_lr_scales(lrs: Sequence[float]) -> list:
@@ -156,6 +180,8 @@ class BudgetRankController(RankController):
         self.captured: list = [[None] * len(g) for g in self.groups]
         self.measured_windows = 0
         self.budget_scale = 1.0  # this window's budget / the mean budget (LR schedule)
+        # weights[s]: per-group allocation weights (None: element counts), see adam_weights
+        self.weights: list = [None] * len(self.groups)
 
     def shapes_of(self, stage: int) -> list:
         return [(n, m) for n, m, _, _ in self.groups[stage]]
@@ -186,10 +212,14 @@ class BudgetRankController(RankController):
         if not self.in_warmup:  # measure every curve fully in the first window
             self.table = [self.full_table(s) for s in range(self.num_stages)]
 
-    def observe_spectrum(self, stage_spectra: Sequence[Sequence[Optional[tuple]]]) -> None:
+    def observe_spectrum(self, stage_spectra: Sequence[Sequence[Optional[tuple]]],
+                         weights: Optional[Sequence[Optional[list]]] = None) -> None:
         """The window's measured ``(total_energy, sorted column energies)`` per group, in
-        :meth:`shapes_of` order (None where a group was not measured). Call before the
-        window's :meth:`end_iteration`."""
+        :meth:`shapes_of` order (None where a group was not measured), and optionally the
+        per-stage allocation weights (None: element counts). Call before the window's
+        :meth:`end_iteration`."""
+        if weights is not None:
+            self.weights = [None if w is None else [float(x) for x in w] for w in weights]
         for s, spectra in enumerate(stage_spectra):
             for g, spec in enumerate(spectra):
                 if spec is None:
@@ -209,7 +239,8 @@ class BudgetRankController(RankController):
             previous = None if table is None else [table[(n, m)] for n, m, _, _ in
                                                    self.groups[s]]
             ranks = allocate_ranks(self.groups[s], curves, self.budget_bytes(s),
-                                   self.settings.rank_min, previous, self.max_step)
+                                   self.settings.rank_min, previous, self.max_step,
+                                   self.weights[s])
             self.table[s] = {(n, m): r for (n, m, _, _), r in zip(self.groups[s], ranks)}
 
     # ------------------------------------------------------------------ state
@@ -227,6 +258,7 @@ class BudgetRankController(RankController):
         state = super().state_dict()
         state["table"] = self._encode_table(self.table)
         state.update(captured=copy.deepcopy(self.captured), byte_budget=self.byte_budget,
+                     weights=copy.deepcopy(self.weights),
                      measured_windows=self.measured_windows, budget_scale=self.budget_scale,
                      groups=[[list(g) for g in rows] for rows in self.groups])
         return state

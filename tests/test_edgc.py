@@ -1,6 +1,8 @@
 """EDGC end to end on 4 gloo processes: per-stage entropy, warm-up, rank table everywhere."""
 
 
+import pytest
+
 from distributed import LAYOUTS, read_jsonl, run_job
 from megatron_edgc.entropy import GradientSampler, gaussian_entropy
 
@@ -74,17 +76,22 @@ def test_calibrated_g_from_real_gradients(small_model_argv, tmp_path):
             assert curve[8] < gaussian.g(8)
 
 
-def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(small_model_argv,
+@pytest.mark.parametrize("weight", ["elements", "adam"])
+def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(weight,
+                                                                        small_model_argv,
                                                                         tmp_path):
     """--edgc-controller budget on TP1·PP2·DP2: after the warm-up and one window at r_max
     every stage holds per-shape ranks within half of r_max's factor bytes, the same table
-    on every rank (checked by hash at every window end), DP replicas stay bit-identical."""
+    on every rank (checked by hash at every window end), DP replicas stay bit-identical.
+    With --edgc-budget-weight adam the weights come from the optimizer's second moment:
+    positive, the same on every rank, and not the element counts."""
     from distributed import assert_dp_replicas_identical
 
     metrics = str(tmp_path / "m.jsonl")
     flags = ["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
              "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5", "--edgc-rank-max", "8",
-             "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "8", "--edgc-check-table"]
+             "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "8", "--edgc-check-table",
+             "--edgc-budget-weight", weight]
     results = run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + flags + [
         "--train-iters", "20", "--metrics-file", metrics], str(tmp_path / "out"))
     records = read_jsonl(metrics)
@@ -98,6 +105,14 @@ def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(small_mo
     assert max(r["dp_bytes_sent_job"] for r in later) < 0.8 * records[9]["dp_bytes_sent_job"]
     states = [r["controller"] for r in results]
     assert all(s == states[0] for s in states)
+    if weight == "elements":
+        assert states[0]["weights"] == [None, None]
+    else:
+        for stage, w in enumerate(states[0]["weights"]):
+            counts = [c * n * m for n, m, c, _ in states[0]["groups"][stage]]
+            assert w is not None and len(w) == len(counts) and all(x > 0 for x in w)
+            ratios = [x / c for x, c in zip(w, counts)]
+            assert max(ratios) / min(ratios) > 1.01   # the shapes' Adam gains differ
     assert assert_dp_replicas_identical(results) > 0
     # the compressors hold the table in force: this stage's shape ranks
     for r in results:

@@ -10,8 +10,8 @@ import torch
 
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
 from megatron_edgc.controller import ControllerSettings
-from megatron_edgc.rank_allocation import (BudgetRankController, allocate_ranks, captured_curve,
-                                           max_rank_of)
+from megatron_edgc.rank_allocation import (BudgetRankController, adam_weights, allocate_ranks,
+                                           captured_curve, max_rank_of)
 
 
 def one_rank_step(comp, grads):
@@ -224,3 +224,49 @@ def test_sqrt_lr_scales_have_mean_one_and_follow_the_lr():
     assert c.budget_bytes(0) == pytest.approx(0.75 * full)
     c.budget_scale = 3.0                       # never more than every shape at r_max
     assert c.budget_bytes(0) == pytest.approx(full)
+
+
+def test_weights_move_rank_to_the_shape_adam_amplifies():
+    """Two shapes with identical error curves share the budget evenly by element weight;
+    when Adam's gain makes one shape's error weigh 4x, the rank moves to it."""
+    groups = [(64, 64, 1, 8), (64, 64, 1, 8)]
+    curve = [1 - 0.6 ** r for r in range(9)]
+    budget = 8 * (64 + 64) * FLOAT_BYTES           # 8 ranks in all
+    assert allocate_ranks(groups, [curve, curve], budget, r_min=1) == [4, 4]
+    shifted = allocate_ranks(groups, [curve, curve], budget, r_min=1,
+                             weights=[64 * 64, 4 * 64 * 64])
+    assert shifted[1] > shifted[0] and sum(shifted) == 8
+    # gain per byte equal where 0.6^r0 = 4 * 0.6^r1: r0 - r1 = log 4 / log(1/0.6) ~ 2.7
+    assert shifted == [3, 5]
+
+
+def test_adam_weights_are_element_counts_when_the_residual_looks_like_the_gradient():
+    """k·T with v ≈ g² per element recovers the element count; a residual sitting on
+    small-v elements (rare rows) weighs more."""
+    gen = torch.Generator().manual_seed(0)
+    totals, scaled, plain, numels = [], [], [], []
+    for n, m, scale in ((64, 32, 1e-3), (128, 32, 5e-2)):
+        g = scale * torch.randn(n, m, generator=gen, dtype=torch.float64)
+        v = torch.full((n, m), scale ** 2, dtype=torch.float64)
+        e = 0.3 * g                                  # residual spread like the gradient
+        totals.append(float((g ** 2).sum()))
+        scaled.append(float((e ** 2 / v).sum()))
+        plain.append(float((e ** 2).sum()))
+        numels.append(n * m)
+    w = adam_weights(totals, scaled, plain)
+    assert w == pytest.approx(numels, rel=0.15)
+    # the same residual energy on rows whose second moment is 100x smaller
+    skewed = adam_weights(totals, [scaled[0] * 100, scaled[1]], plain)
+    assert skewed[0] == pytest.approx(100 * w[0]) and skewed[1] == w[1]
+    assert adam_weights(totals, scaled, [plain[0], 0.0]) is None
+
+
+def test_budget_controller_weights_round_trip():
+    c = make()
+    weights = [[float(i + 1) for i in range(len(g))] for g in c.groups]
+    c.observe_spectrum([[None] * len(g) for g in c.groups], weights=weights)
+    state = c.state_dict()
+    fresh = make()
+    assert fresh.weights == [None, None]
+    fresh.load_state_dict(state)
+    assert fresh.weights == weights and fresh.state_dict() == state

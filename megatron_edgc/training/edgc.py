@@ -38,7 +38,7 @@ from megatron_edgc.compression.powersgd import matrix_shape
 from megatron_edgc.controller import ControllerSettings, RankController
 from megatron_edgc.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy, layer_type,
                                    moments_from_power_sums, power_sums)
-from megatron_edgc.rank_allocation import BudgetRankController, sqrt_lr_scales
+from megatron_edgc.rank_allocation import BudgetRankController, adam_weights, sqrt_lr_scales
 from megatron_edgc.rank_model import RankModel
 from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
@@ -69,9 +69,35 @@ def dominant_shape(chunks) -> tuple[int, int]:
     return max(totals, key=lambda k: (totals[k], k)) if totals else (1, 1)
 
 
+def adam_second_moments(optimizer) -> tuple:
+    """``({id(model parameter): exp_avg_sq}, eps)`` of a megatron-core Adam optimizer
+    (``ChainedOptimizer``, ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``; the
+    distributed optimizer shards the state and is refused by the config). Tensors are the
+    live state, read at each window end; a parameter without state yet is absent."""
+    out, eps = {}, 1e-8
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        groups = getattr(opt, "float16_groups", None)
+        masters = getattr(opt, "fp32_from_float16_groups", None)
+        pairs = []
+        if groups is not None and masters is not None:
+            pairs += [(m, p) for mg, pg in zip(groups, masters) for m, p in zip(mg, pg)]
+            fp32 = getattr(opt, "fp32_from_fp32_groups", [])
+            pairs += [(p, p) for g in fp32 for p in g]
+        else:
+            pairs += [(p, p) for g in inner.param_groups for p in g["params"]]
+        for model_param, state_param in pairs:
+            state = inner.state.get(state_param, {})
+            if "exp_avg_sq" in state:
+                out[id(model_param)] = state["exp_avg_sq"]
+        eps = float(inner.param_groups[0].get("eps", eps)) if inner.param_groups else eps
+    return out, eps
+
+
 class EdgcDriver:
     def __init__(self, cfg, chunks, dp_compression, *, stage: int, num_stages: int,
-                 device: torch.device, p2p=None, activation_shape=None, lr_at=None):
+                 device: torch.device, p2p=None, activation_shape=None, lr_at=None,
+                 optimizer=None):
         e = cfg.edgc
         self.cfg, self.dp_compression, self.p2p = cfg, dp_compression, p2p
         self.stage, self.num_stages, self.device = stage, num_stages, device
@@ -105,6 +131,10 @@ class EdgcDriver:
         else:
             self.controller = RankController(self.settings,
                                               [RankModel(n, m) for n, m in self.stage_shapes])
+        # --edgc-budget-weight adam: the optimizer whose second moment weighs the errors
+        self.optimizer = optimizer if self.budget and e.budget_weight == "adam" else None
+        if self.budget and e.budget_weight == "adam" and optimizer is None:
+            raise ValueError("--edgc-budget-weight adam needs the optimizer")
         self.lr_at = lr_at  # step -> LR of the run's schedule (--edgc-budget-schedule lr)
         self._budget_scales: Optional[dict] = None
         # For --edgc-g calibrated: this rank's gradient of one dominant-shape matrix.
@@ -366,14 +396,17 @@ class EdgcDriver:
         c = self.controller
         r_max = self.settings.rank_max
         width = max(len(g) for g in c.groups) if c.groups else 0
-        sums = torch.zeros(self.num_stages, max(width, 1), 2 + r_max, dtype=torch.float64)
+        sums = torch.zeros(self.num_stages, max(width, 1), 4 + r_max, dtype=torch.float64)
         local = self.dp_compression.pop_spectrum()
+        adam = self._adam_residual_sums() if self.optimizer is not None else {}
         for g, shape in enumerate(c.shapes_of(self.stage)):
             if shape in local:
                 total, cols = local[shape]
                 sums[self.stage, g, 0] = total
                 sums[self.stage, g, 1] = 1.0
                 sums[self.stage, g, 2:2 + cols.numel()] = cols[:r_max]
+            if shape in adam:
+                sums[self.stage, g, 2 + r_max:] = torch.tensor(adam[shape], dtype=torch.float64)
         sums = sums.to(self.device)
         dist.all_reduce(sums)
         sums = sums.cpu()
@@ -388,7 +421,37 @@ class EdgcDriver:
                     r = table[shape]
                     row.append((float(sums[s, g, 0]), sums[s, g, 2:2 + r].tolist()))
             spectra.append(row)
-        c.observe_spectrum(spectra)
+        weights = None
+        if self.optimizer is not None:
+            weights = []
+            for s in range(self.num_stages):
+                n = len(c.shapes_of(s))
+                weights.append(adam_weights(sums[s, :n, 0].tolist(),
+                                            sums[s, :n, 2 + r_max].tolist(),
+                                            sums[s, :n, 3 + r_max].tolist()))
+        c.observe_spectrum(spectra, weights)
+
+    def _adam_residual_sums(self) -> dict:
+        """``{(n, m): [Σ E²/(√v+ε)², Σ E²]}`` over this rank's compressed matrices: the
+        error-feedback residual as Adam's update would see it, and plain."""
+        moments, eps = adam_second_moments(self.optimizer)
+        params = {name: p for _, named in self.dp_compression.bucket_params()
+                  for name, p in named}
+        out: dict = {}
+        for comp in self.dp_compression.compressors.values():
+            for shape, g in comp.groups.items():
+                if g.residual is None:
+                    continue
+                for j, name in enumerate(g.names):
+                    v = moments.get(id(params[name]))
+                    if v is None:
+                        continue
+                    e2 = g.residual[j].double() ** 2
+                    denom = (v.detach().double().view(e2.shape).sqrt() + eps) ** 2
+                    acc = out.setdefault(shape, [0.0, 0.0])
+                    acc[0] += float((e2 / denom).sum())
+                    acc[1] += float(e2.sum())
+        return out
 
     # ------------------------------------------------------------------ DAC and tables
 

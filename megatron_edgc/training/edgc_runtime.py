@@ -44,12 +44,15 @@ class EdgcRuntime:
     ``training.seed``, ``training.train_iters`` and ``parallel`` sections are read);
     ``chunks`` the DDP-wrapped model chunks, ``model_config`` their TransformerConfig;
     ``dp_group`` the group the DDP buckets reduce over; ``activation_shape`` the shape of a
-    pipeline send ``(seq, micro-batch, hidden)``; ``lr_at(step)`` the run's LR at a step.
+    pipeline send ``(seq, micro-batch, hidden)``; ``lr_at(step)`` the run's LR at a step;
+    ``optimizer`` the megatron-core optimizer (``--edgc-budget-weight adam`` reads its
+    second moment).
     """
 
     def __init__(self, cfg, chunks, model_config, *, dp_group, pp_group, stage: int,
                  num_stages: int, num_microbatches: int, activation_shape: tuple,
                  device: torch.device, lr_at: Optional[Callable[[int], float]] = None,
+                 optimizer=None,
                  log: Callable[[str], None] = lambda line: print(line, flush=True)):
         self.cfg, self.stage, self.num_stages, self.device = cfg, stage, num_stages, device
         self.log = log
@@ -80,7 +83,8 @@ class EdgcRuntime:
         if e.mode == "edgc":
             self.edgc = EdgcDriver(cfg, chunks, self.dp_compression, stage=stage,
                                    num_stages=num_stages, device=device, p2p=self.p2p,
-                                   activation_shape=activation_shape, lr_at=lr_at)
+                                   activation_shape=activation_shape, lr_at=lr_at,
+                                   optimizer=optimizer)
             ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                      dp_invariant=True)
         self.dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()

@@ -75,7 +75,8 @@ class Trainer:
             cfg, self.bundle.chunks, self.bundle.config, dp_group=self.dp_group,
             pp_group=parallel_state.get_pipeline_model_parallel_group(), stage=self.stage,
             num_stages=p.pipeline_model_parallel_size, num_microbatches=cfg.num_microbatches,
-            activation_shape=self.activation_shape, device=self.device, lr_at=self._lr_at)
+            activation_shape=self.activation_shape, device=self.device, lr_at=self._lr_at,
+            optimizer=self.bundle.optimizer)
         self.bundle.config.finalize_model_grads_func = self.runtime.timed_finalize(
             finalize_model_grads)
         self.dp_compression, self.p2p, self.edgc = \
