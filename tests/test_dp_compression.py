@@ -32,12 +32,18 @@ DP_LAYOUTS = {**LAYOUTS, "tp1-pp2-dp2-overlap-distopt": LAYOUTS["tp1-pp2-dp2-ove
               + ["--use-distributed-optimizer"]}
 
 
+#: The overlapped layout sends P and Q in bf16 (``--edgc-factor-dtype bf16``): factor
+#: bytes halve, the dense rest and the flag stay fp32, replicas stay bit-identical.
+BF16_LAYOUT = "tp1-pp2-dp2-overlap"
+
+
 @pytest.mark.parametrize("layout", [k for k in DP_LAYOUTS if "interleaved" not in k])
 def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
+    bf16 = layout == BF16_LAYOUT
     results = run_job(small_model_argv + DP_LAYOUTS[layout] + [
-        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics],
-        str(tmp_path / "out"))
+        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics]
+        + (["--edgc-factor-dtype", "bf16"] if bf16 else []), str(tmp_path / "out"))
     records = read_jsonl(metrics)
     losses = [r["loss"] for r in records]
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
@@ -45,8 +51,12 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
         assert assert_dp_replicas_identical(results) > 0
     # The logging rank is the last stage, DP rank 0, TP rank 0.
     logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
-    want = expected_bytes(logger["params"], logger["n_buckets"], RANK)
-    want_job = sum(expected_bytes(r["params"], r["n_buckets"], RANK) for r in results)
+    factor_bytes = 2 if bf16 else 4
+    want = expected_bytes(logger["params"], logger["n_buckets"], RANK, factor_bytes)
+    want_job = sum(expected_bytes(r["params"], r["n_buckets"], RANK, factor_bytes)
+                   for r in results)
+    if bf16:
+        assert want < expected_bytes(logger["params"], logger["n_buckets"], RANK)
     for rec in records:
         assert rec["dp_bytes_sent"] == want
         assert rec["dp_bytes_sent_job"] == want_job
@@ -63,26 +73,6 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
             sorted(s for s in predicted[r["pp"]] if len(s) == 2), (r["tp"], r["pp"])
         assert sum(t.numel() for t in r["params"].values()) == \
             sum(math.prod(s) for s in predicted[r["pp"]])
-
-
-def test_bf16_factors_halve_the_factor_bytes(small_model_argv, tmp_path):
-    """``--edgc-factor-dtype bf16`` on gloo with overlapped buckets: P and Q in bf16, the
-    dense rest in fp32, bytes exactly from the shapes, replicas bit-identical, it trains."""
-    layout = DP_LAYOUTS["tp1-pp2-dp2-overlap"]
-    metrics = str(tmp_path / "m.jsonl")
-    results = run_job(small_model_argv + layout + [
-        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--edgc-factor-dtype", "bf16",
-        "--metrics-file", metrics], str(tmp_path / "out"))
-    records = read_jsonl(metrics)
-    losses = [r["loss"] for r in records]
-    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
-    assert assert_dp_replicas_identical(results) > 0
-    logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
-    want = expected_bytes(logger["params"], logger["n_buckets"], RANK, factor_bytes=2)
-    fp32 = expected_bytes(logger["params"], logger["n_buckets"], RANK)
-    assert want < fp32
-    for rec in records:
-        assert rec["dp_bytes_sent"] == want
 
 
 def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):
