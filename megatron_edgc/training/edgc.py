@@ -4,8 +4,9 @@ DAC) and the pipeline rank.
 Every iteration the loop calls :meth:`EdgcDriver.before_step` and
 :meth:`EdgcDriver.after_step`. On the iterations GDS measures, each rank samples a
 ``β`` fraction of its local gradient elements (``entropy_probe`` of the DP patch, before
-the sync), estimates the entropy, and one all-reduce over the whole job averages the
-estimates per pipeline stage (over its DP and TP ranks). Every rank therefore feeds the
+the sync), estimates the entropy, and the loop's per-iteration telemetry all-reduce
+carries the estimates (no collective of their own) to average them per pipeline stage
+(over its DP and TP ranks). Every rank therefore feeds the
 same per-stage entropies to its own :class:`RankController` and holds the same rank table
 (``--edgc-check-table`` verifies that with a hash at each window end). The entry of this
 rank's stage is handed to the DP compression; ``None`` (warm-up) means dense.
@@ -241,18 +242,45 @@ class EdgcDriver:
         probe = self.probe_rank(iteration)
         return [probe] * self.num_stages if probe is not None else list(self.dp_table)
 
-    def _stage_mean(self, local: float, extra: Optional[float] = None):
-        """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks);
-        with ``extra``, also a job-wide mean of it over the ranks where it is finite."""
-        sums = torch.zeros(2, self.num_stages + 1, dtype=torch.float64, device=self.device)
+    def _stage_sums(self, local: float, extra: Optional[float] = None) -> torch.Tensor:
+        """``[[Σ value], [count]]`` per stage (and a last column for ``extra``) of this
+        rank's contribution; summed over the job they give :meth:`_means_of`."""
+        sums = torch.zeros(2, self.num_stages + 1, dtype=torch.float64)
         if math.isfinite(local):
             sums[0, self.stage], sums[1, self.stage] = local, 1.0
         if extra is not None and math.isfinite(extra):
             sums[0, -1], sums[1, -1] = extra, 1.0
-        dist.all_reduce(sums)
+        return sums
+
+    def _means_of(self, sums: torch.Tensor, extra: bool = False):
+        sums = sums.view(2, self.num_stages + 1)
         means = [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
                  for s in range(self.num_stages + 1)]
-        return (means[:-1], means[-1]) if extra is not None else means[:-1]
+        return (means[:-1], means[-1]) if extra else means[:-1]
+
+    def _stage_mean(self, local: float, extra: Optional[float] = None):
+        """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks);
+        with ``extra``, also a job-wide mean of it over the ranks where it is finite."""
+        sums = self._stage_sums(local, extra).to(self.device)
+        dist.all_reduce(sums)
+        return self._means_of(sums.cpu(), extra is not None)
+
+    def entropy_sums(self) -> torch.Tensor:
+        """This iteration's sampled entropies as per-stage sums, flat, for the loop's own
+        telemetry all-reduce (so a measured iteration costs no collective of its own):
+        zeros when GDS does not measure this iteration. Pass the job-wide sum to
+        :meth:`after_step` as ``entropy_sums``."""
+        if not self._measuring:
+            return torch.zeros(2 * (self.num_stages + 1), dtype=torch.float64)
+        t0 = time.perf_counter()
+        local = estimate_entropy(torch.cat(self._samples), self.cfg.edgc.entropy) \
+            if self._samples else float("nan")
+        pp_local = None
+        if self.pp_controller is not None:
+            pp_local = estimate_entropy(self._pp_sample, self.cfg.edgc.entropy) \
+                if self._pp_sample is not None else float("nan")
+        self.entropy_ms += (time.perf_counter() - t0) * 1e3
+        return self._stage_sums(local, pp_local).view(-1)
 
     def _grad_stats(self) -> dict:
         """``--edgc-grad-stats``: skewness and excess kurtosis of the sampled gradient and
@@ -304,11 +332,14 @@ class EdgcDriver:
             self.calibrated_g.append(curve)
         self.controller.rank_models = models
 
-    def after_step(self, iteration: int, stage_times: Optional[dict] = None) -> dict:
+    def after_step(self, iteration: int, stage_times: Optional[dict] = None,
+                   entropy_sums: Optional[torch.Tensor] = None) -> dict:
         """Feed this iteration's measurements; at a window end decide the next tables.
 
         ``stage_times`` holds per-stage means over the job (identical on every rank):
         ``t_b_ms``, ``t_p2p_ms`` and ``dp_sync_ms`` (NaN where a stage has none).
+        ``entropy_sums``: :meth:`entropy_sums` summed over the job (by the caller's
+        all-reduce); without it this method all-reduces the entropies itself.
         """
         record = {}
         if self.cfg.edgc.entropy_reference and self._full_entropies:
@@ -318,20 +349,15 @@ class EdgcDriver:
             record["entropy_full"] = self._stage_mean(full)
             record["entropy_full_ms"] = self.full_entropy_ms
         if self._measuring:
-            t0 = time.perf_counter()
-            local = estimate_entropy(torch.cat(self._samples), self.cfg.edgc.entropy) \
-                if self._samples else float("nan")
-            pp_local = None
+            if entropy_sums is None:
+                entropy_sums = self.entropy_sums().to(self.device)
+                dist.all_reduce(entropy_sums)
             if self.pp_controller is not None:
-                pp_local = estimate_entropy(self._pp_sample, self.cfg.edgc.entropy) \
-                    if self._pp_sample is not None else float("nan")
-            self.entropy_ms += (time.perf_counter() - t0) * 1e3
-            if self.pp_controller is not None:
-                entropies, pp_entropy = self._stage_mean(local, pp_local)
+                entropies, pp_entropy = self._means_of(entropy_sums.cpu(), extra=True)
                 self.pp_controller.observe(iteration, [pp_entropy])
                 record["entropy_pp"] = pp_entropy
             else:
-                entropies = self._stage_mean(local)
+                entropies = self._means_of(entropy_sums.cpu())
             self.controller.observe(iteration, entropies)
             self.last_entropies = entropies
             if self._typed_grads is not None:

@@ -59,6 +59,7 @@ class EdgcRuntime:
         e = cfg.edgc
         self.dp_rank = dist.get_rank(dp_group)
         self.iteration = 0
+        self._entropy_sums: Optional[torch.Tensor] = None  # the last telemetry all-reduce's
         self.dp_compression = self.edgc = self.p2p = None
         if e.mode != "off":
             self.dp_compression = DPGradientCompression(
@@ -137,7 +138,8 @@ class EdgcRuntime:
         lets the controller decide the next ranks; returns ``record``."""
         record.update(self._dp_sync_record())
         if self.edgc is not None:
-            record.update(self.edgc.after_step(iteration, record))
+            record.update(self.edgc.after_step(iteration, record,
+                                               entropy_sums=self._entropy_sums))
         return record
 
     def rank_per_stage(self, stats) -> Optional[list]:
@@ -164,10 +166,15 @@ class EdgcRuntime:
         for i, v in enumerate(values):
             if math.isfinite(v):
                 times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
-        totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1)])
+        # the sampled entropies ride along (GDS's per-stage means need no collective of
+        # their own)
+        entropy = self.edgc.entropy_sums() if self.edgc is not None else \
+            torch.zeros(0, dtype=torch.float64)
+        totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1), entropy])
         totals = totals.to(self.device)
         dist.all_reduce(totals)
         totals = totals.cpu()
+        self._entropy_sums = totals[totals.numel() - entropy.numel():]
         rec = {"dp_bytes_sent": sent, "dp_bytes_dense": dense,
                "dp_bytes_ratio": sent / dense if dense else 1.0,
                "dp_bytes_sent_job": int(totals[0].item()),
@@ -179,7 +186,7 @@ class EdgcRuntime:
                        pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
             for event in pps.events:
                 self.log(f"iteration {self.iteration + 1}: {event}")
-        sums = totals[4:].view(len(STAGE_TIMES), 2, n_stages)
+        sums = totals[4:4 + times.numel()].view(len(STAGE_TIMES), 2, n_stages)
         stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
                              else float("nan") for s in range(n_stages)]
                        for i, key in enumerate(STAGE_TIMES)}
