@@ -440,8 +440,18 @@ def main() -> int:
             + "Targets (issue 7; the sync/iteration targets apply where dense DP sync is ≥ "
               "35 % of the iteration):\n\n"
             + targets(results, args.configs, args.rates, args.train_iters) + "\n\n"
-            + "\n".join(f"![{os.path.basename(f)}]({os.path.relpath(f, ROOT)})" for f in files))
+            + "\n".join(f"![{os.path.basename(f)}]({os.path.relpath(f, ROOT)})" for f in files)
+            + "\n\n<!-- notes -->")
     cmd = "sudo .venv/bin/python bench/slow_links.py" + (" --quick" if args.quick else "")
+    if not args.quick:
+        if args.configs != list(CONFIGS):
+            cmd += " --configs " + " ".join(args.configs)
+        if args.rates != RATES:
+            cmd += " --rates " + " ".join(args.rates)
+        if args.train_iters != 30:
+            cmd += f" --train-iters {args.train_iters}"
+    if args.repeats != 3:
+        cmd += f" --repeats {args.repeats}"
     write_section("slow_links", "Emulated cluster links: dense vs PowerSGD vs EDGC vs "
                   "PyTorch's hook", cmd, body)
     print(table(results, args.configs, args.rates, args.train_iters))
