@@ -255,8 +255,8 @@ def fmt(v, spec=".1f"):
 
 def with_spread(r: dict, key: str, spec: str = ".1f") -> str:
     """``median (min–max)`` over the repetitions, or the single value."""
-    runs = r.get(f"{key}_runs")
-    if not runs or len(runs) < 2:
+    runs = runs_of(r, key) if r.get(key) is not None else []
+    if len(runs) < 2:
         return fmt(r[key], spec)
     return f"{fmt(r[key], spec)} ({fmt(min(runs), spec)}–{fmt(max(runs), spec)})"
 

@@ -92,6 +92,11 @@ def train(args, extra: list, world: int) -> int:
 def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
     """The side-by-side table: whole run, then after EDGC's warm-up (both runs)."""
     modelled, rate, how = link["modelled"], link["rate"], link["how"]
+
+    def link_ms(dp_bytes: float) -> float:
+        """The modelled DP all-reduce time of a run's bytes at the link rate (0 if real)."""
+        return alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3 if modelled else 0.0
+
     print()
     print(f"link: {how}")
     tag = " (modelled)" if modelled else ""
@@ -100,8 +105,7 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
     dense_loss = summaries["dense"]["val_loss"]
     for name, s in summaries.items():
         dp_bytes = s.get("dp_bytes_per_iter") or 0.0
-        extra_ms = (alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3
-                    if modelled else 0.0)
+        extra_ms = link_ms(dp_bytes)
         sync = s.get("grad_sync_ms")
         sync_txt = "—" if sync is None or math.isnan(sync) else f"{sync + extra_ms:.1f}"
         pp = "dense" if s.get("pp_bytes_per_iter") is None \
@@ -122,8 +126,7 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
             after = [r for r in recs if r["iteration"] > start]
             mean = lambda key: sum(r[key] for r in after) / len(after)  # noqa: E731
             dp_bytes = mean("dp_bytes_sent_job")
-            extra_ms = (alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3
-                        if modelled else 0.0)
+            extra_ms = link_ms(dp_bytes)
             # per stage: the slowest stage's sync (NaN where a stage has none)
             syncs = [max((x for x in r["grad_sync_ms"] if x is not None and x == x),
                          default=0.0) if isinstance(r["grad_sync_ms"], list)
