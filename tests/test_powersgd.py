@@ -281,3 +281,38 @@ def test_bf16_overflow_is_flagged_non_finite():
     grads[0][0, 0] = 3.0e38
     bufs, step = comp.start(grads)
     assert bufs[-1][-1] == 1.0 and comp.middle(step, bufs) is None
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_fused_finish_is_bit_identical_to_the_textbook_products(rank):
+    """finish() writes P^ Q^T straight into each gradient and the residual into M's
+    storage: on CPU every bit equals the unfused form (bmm, copy, M - bmm) it replaced,
+    over two steps (the second on residuals and warm starts of the first)."""
+    entries = [("a", (96, 48)), ("b", (96, 48)), ("bias", (1, 48)), ("c", (48, 160))]
+    world = 3
+    comps = [BucketCompressor(entries, rank, seed=2) for _ in range(world)]
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(world)]
+        firsts = [c.start(g) for c, g in zip(comps, grads)]
+        reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
+        qs = [c.middle(step, [b.clone() for b in reduced]) for c, (_, step) in zip(comps, firsts)]
+        reduced_q = sum(qs)
+        expected = []
+        for c, (_, step) in zip(comps, firsts):
+            off, want = 0, {}
+            for key, g in c.groups.items():
+                k, n, m = len(g.indices), g.n, g.m
+                q = reduced_q[off:off + k * m * rank].view(k, m, rank)
+                off += k * m * rank
+                approx = torch.bmm(step.p_hat[key], q.transpose(1, 2))
+                want[key] = (approx.clone(), step.m[key] - torch.bmm(
+                    step.p_hat[key], step.q_sent[key].transpose(1, 2)))
+            expected.append(want)
+        for c, (_, step), gs, want in zip(comps, firsts, grads, expected):
+            c.finish(step, reduced_q.clone())
+            for key, g in c.groups.items():
+                approx, residual = want[key]
+                assert torch.equal(g.residual, residual)
+                for j, i in enumerate(g.indices):
+                    assert torch.equal(gs[i], approx[j])
