@@ -105,7 +105,9 @@ class Hook:
             def forward(self, coeffs):
                 return sum((p * c).sum() for p, c in zip(self.ps, coeffs))
 
-        self.model = torch.nn.parallel.DistributedDataParallel(Params())
+        # one bucket, as ours: two buckets' callbacks waiting on gloo collectives from
+        # two threads deadlock on a world-1 group
+        self.model = torch.nn.parallel.DistributedDataParallel(Params(), bucket_cap_mb=1024)
         if powersgd:
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,

@@ -329,7 +329,7 @@ class BucketCompressor:
         over ``n x m``: ``M^`` straight into each fp32 gradient (``mm(out=)``), and the
         residual into ``M``'s own storage (``M -= P^ Q_i^T`` as one ``baddbmm``), which
         this step owns. Bit-identical to the unfused ``bmm``, copy and subtraction on CPU
-        (``tests/test_powersgd.py``); 26 % less time for this phase (bench/compression_math.py).
+        (``tests/test_powersgd.py``); ``bench/compression_math.py`` times both forms.
         """
         offset = 0
         for key, g in self.groups.items():
