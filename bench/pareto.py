@@ -147,7 +147,9 @@ def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: 
     run's loss curves, to ``bench/results/pareto/runs/``: the committed record of a run,
     so a sweep continues in a later session on another machine without retraining it)."""
     record_path = run_record_path(testbed, name, seed)
-    if not os.path.exists(metrics) and os.path.exists(record_path):
+    finished_here = os.path.exists(os.path.splitext(metrics)[0] + ".summary.json")
+    if not finished_here and os.path.exists(record_path):  # a stopped run's partial file
+        # must not shadow the committed record of that run
         with open(record_path) as fh:
             return json.load(fh)["entry"]
     with open(metrics) as fh:
