@@ -42,7 +42,8 @@ sys.path.insert(0, ROOT)
 
 from bench.report import write_section  # noqa: E402
 from bench.slow_links import CONFIGS, PURE_DP  # noqa: E402
-from megatron_edgc.compression.powersgd import BucketCompressor, is_compressible  # noqa: E402
+from megatron_edgc.compression.powersgd import (BucketCompressor, is_compressible,  # noqa: E402
+                                                matrix_shape)
 from megatron_edgc.config import parse_config  # noqa: E402
 from megatron_edgc.model_shapes import stage_param_shapes  # noqa: E402
 
@@ -70,13 +71,9 @@ def config_shapes(config_file: str) -> list:
     return stage_param_shapes(cfg.model, cfg.parallel, cfg.data.tokenizer_vocab_size)[0]
 
 
-def matrices(shapes: list) -> list:
-    return [(f"p{i}", (s[0], s[1]) if len(s) == 2 else (1, s[0])) for i, s in enumerate(shapes)]
-
-
 class Ours:
     def __init__(self, shapes, rank, cls=BucketCompressor):
-        self.entries = matrices(shapes)
+        self.entries = [(f"p{i}", matrix_shape(s)) for i, s in enumerate(shapes)]
         self.comp = cls(self.entries, rank, min_compression_rate=MIN_COMPRESSION_RATE, seed=1)
         gen = torch.Generator().manual_seed(0)
         self.sources = [[torch.randn(*s, generator=gen) for _, s in self.entries] for _ in range(2)]
