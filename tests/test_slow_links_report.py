@@ -36,16 +36,18 @@ def test_target_verdicts():
     assert cells[3] == "60 % ✓" and cells[4] == "23 % ✓" and cells[5] == "+0.80 % ✓"
     assert cells[6] == "0.80x ✓" and cells[8] == "1.11x ✗"
     assert cells[7] == "0.22x ✓"            # static r_max overlap: 200 / 900
+    assert cells[9] == "0.22x ✓"            # EDGC overlap: 200 / 900
     # static r_max: 100 ms of math; dense sync 1000, static sync 250 -> 850 ms saved
-    assert cells[9] == "12 %"            # no verdict at 100 Mbit
-    assert cells[10] == "—"               # no unshaped run: no floor
+    assert cells[10] == "12 %"           # no verdict at 100 Mbit
+    assert cells[11] == "—"               # no unshaped run: no floor
     res.update({f"tiny|300mbit|{k.split('|')[2]}": v for k, v in res.items()})
     res.update({f"tiny|none|{k.split('|')[2]}": v for k, v in res.items()
                 if k.startswith("tiny|100mbit")})
     res["tiny|none|dense"] = row(100.0, 800.0, 28.0, 5.0)   # floor 700 ms
     line = targets(res, ["tiny"], ["300mbit"], 30).splitlines()[-1]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[9] == "12 % ✓" and cells[10] == "1.43x"   # the floor verdict is small's
+    # the floor verdict is small's; EDGC overlap: 200 / 700
+    assert cells[10] == "12 % ✓" and cells[11] == "1.43x; overlap 0.29x"
     res["tiny|100mbit|dense"] = row(100.0, 1000.0, 28.0, 5.0)     # share 10 %: n/a
     cells = targets(res, ["tiny"], ["100mbit"], 30).splitlines()[-1].strip("|").split("|")
     assert cells[2].strip() == "10 % (n/a)" and "✓" not in cells[3] + cells[4]
@@ -99,7 +101,8 @@ def test_verdicts_hold_per_repetition():
                                                 [100.0, 100.0, 100.0])
     line = targets(res, ["small"], ["300mbit"], 30).splitlines()[-1]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[10] == "1.43x [1.43–2.50] ✗"
+    # EDGC overlap at 200: 0.29x, 0.29x, 0.50x -> met
+    assert cells[11] == "1.43x [1.43–2.50] ✗; overlap 0.29x [0.29–0.50] ✓"
     # overhead per repetition: 100/850, 100/850, 100/600 -> 12, 12, 17 % -> not met
-    assert cells[9] == "12 % [12–17] ✗"
+    assert cells[10] == "12 % [12–17] ✗"
     assert cells[3] == "90 % [90–90] ✓"
