@@ -3,7 +3,7 @@
 EDGC vs PyTorch's ``powerSGD_hook``, side by side, at several link rates.
 
     sudo .venv/bin/python bench/slow_links.py            # ~90 min on 2 cores (3 repetitions)
-    .venv/bin/python bench/slow_links.py --quick         # tiny only, 2 rates, fewer iterations
+    .venv/bin/python bench/slow_links.py --quick         # tiny, 2 rates, 16 iterations, 1 repetition
 
 Every (config, rate, mode) runs ``--repeats`` times (default 3); each figure is the median
 over them with its (min–max), time ratios pair the runs of one repetition, and a verdict
@@ -418,12 +418,16 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--rates", nargs="+", default=RATES)
     p.add_argument("--train-iters", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every mode per link (medians and spreads over them)")
-    p.add_argument("--quick", action="store_true", help="tiny, 100mbit + unshaped, 16 iters")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of every mode per link (medians and spreads over them); "
+                        "default 3, 1 with --quick")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny, 100mbit + unshaped, 16 iters, 1 repetition (a smoke run)")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs' metrics")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "slow_links"))
     args = p.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     if args.quick:
         args.configs, args.rates, args.train_iters = ["tiny"], ["100mbit", "none"], 16
     os.makedirs(args.out, exist_ok=True)
@@ -467,7 +471,7 @@ def main() -> int:
             cmd += " --rates " + " ".join(args.rates)
         if args.train_iters != 30:
             cmd += f" --train-iters {args.train_iters}"
-    if args.repeats != 3:
+    if args.repeats != (1 if args.quick else 3):
         cmd += f" --repeats {args.repeats}"
     write_section("slow_links", "Emulated cluster links: dense vs PowerSGD vs EDGC vs "
                   "PyTorch's hook", cmd, body)
