@@ -125,9 +125,8 @@ def plan(testbed: str, seeds: int) -> list:
 def run_one(testbed: str, name: str, seed: int, flags: list) -> str:
     """Train one run unless its metrics exist; returns the metrics path."""
     tb = TESTBEDS[testbed]
-    out = os.path.join(RUNS, testbed)
-    os.makedirs(out, exist_ok=True)
-    metrics = os.path.join(out, f"{name}-s{seed}.jsonl")
+    metrics = metrics_path(testbed, name, seed)
+    os.makedirs(os.path.dirname(metrics), exist_ok=True)
     if is_recorded(testbed, name, seed):
         return metrics
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *tb["flags"],
@@ -149,14 +148,13 @@ def summarize_run(testbed: str, name: str, controller: str, seed: int, metrics: 
     run's loss curves, to ``bench/results/pareto/runs/``: the committed record of a run,
     so a sweep continues in a later session on another machine without retraining it)."""
     record_path = run_record_path(testbed, name, seed)
-    finished_here = os.path.exists(os.path.splitext(metrics)[0] + ".summary.json")
-    if not finished_here and os.path.exists(record_path):  # a stopped run's partial file
+    if not os.path.exists(summary_path(metrics)) and os.path.exists(record_path):  # a stopped run's partial file
         # must not shadow the committed record of that run
         with open(record_path) as fh:
             return json.load(fh)["entry"]
     with open(metrics) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
-    with open(os.path.splitext(metrics)[0] + ".summary.json") as fh:
+    with open(summary_path(metrics)) as fh:
         summary = json.load(fh)
     warmup_end = next((r["warmup_end_iter"] for r in reversed(records)
                        if r.get("warmup_end_iter") is not None), None)
@@ -396,17 +394,24 @@ def main() -> int:
     return 0
 
 
+def metrics_path(testbed: str, name: str, seed: int) -> str:
+    return os.path.join(RUNS, testbed, f"{name}-s{seed}.jsonl")
+
+
+def summary_path(metrics: str) -> str:
+    """The summary a run writes when it finishes."""
+    return os.path.splitext(metrics)[0] + ".summary.json"
+
+
 def is_recorded(testbed: str, name: str, seed: int) -> bool:
     """A run finished here (its summary) or committed (its record)."""
-    metrics = os.path.join(RUNS, testbed, f"{name}-s{seed}.jsonl")
-    return os.path.exists(os.path.splitext(metrics)[0] + ".summary.json") or \
+    return os.path.exists(summary_path(metrics_path(testbed, name, seed))) or \
         os.path.exists(run_record_path(testbed, name, seed))
 
 
 def write_report(testbeds: list, seeds: int) -> list:
     """summary.json, the plots and the BENCHMARKS.md section from every recorded run."""
-    entries = [summarize_run(testbed, name, controller, seed,
-                             os.path.join(RUNS, testbed, f"{name}-s{seed}.jsonl"))
+    entries = [summarize_run(testbed, name, controller, seed, metrics_path(testbed, name, seed))
                for testbed in testbeds for name, controller, seed, _ in plan(testbed, seeds)
                if is_recorded(testbed, name, seed)]
     with open(os.path.join(RESULTS, "summary.json"), "w") as fh:

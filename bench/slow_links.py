@@ -2,7 +2,7 @@
 """Measure the claim on emulated cluster links: dense vs static PowerSGD (r_max, r_min) vs
 EDGC vs PyTorch's ``powerSGD_hook``, side by side, at several link rates.
 
-    sudo .venv/bin/python bench/slow_links.py            # ~90 min on 2 cores (3 repetitions)
+    sudo .venv/bin/python bench/slow_links.py            # ~3 h on 2 cores (3 repetitions)
     .venv/bin/python bench/slow_links.py --quick         # tiny, 2 rates, 16 iterations, 1 repetition
 
 Every (config, rate, mode) runs ``--repeats`` times (default 3); each figure is the median
@@ -426,8 +426,9 @@ def main() -> int:
     p.add_argument("--reuse", action="store_true", help="reuse finished runs' metrics")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "slow_links"))
     args = p.parse_args()
+    default_repeats = 1 if args.quick else 3
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+        args.repeats = default_repeats
     if args.quick:
         args.configs, args.rates, args.train_iters = ["tiny"], ["100mbit", "none"], 16
     os.makedirs(args.out, exist_ok=True)
@@ -471,7 +472,7 @@ def main() -> int:
             cmd += " --rates " + " ".join(args.rates)
         if args.train_iters != 30:
             cmd += f" --train-iters {args.train_iters}"
-    if args.repeats != (1 if args.quick else 3):
+    if args.repeats != default_repeats:
         cmd += f" --repeats {args.repeats}"
     write_section("slow_links", "Emulated cluster links: dense vs PowerSGD vs EDGC vs "
                   "PyTorch's hook", cmd, body)
