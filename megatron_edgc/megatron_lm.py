@@ -38,11 +38,14 @@ from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _check_ran
                                   add_knob_argument, check_writable, flag_of)
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
-TESTED_MEGATRON_LM = "core_v0.16.1"
+TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
 
 #: The seams and the parameters each wrapper relies on (checked in :func:`enable`).
+#: ``validate_args`` is wrapped where Megatron-LM calls it from: ``arguments`` (core_v0.19+:
+#: ``parse_and_validate_args``) and, where it imports the name, ``initialize`` (core_v0.13.1
+#: ... core_v0.16.1: ``initialize_megatron``); see :data:`_OPTIONAL_SEAMS`.
 _SEAMS = {
-    ("megatron.training.initialize", "validate_args"): ("args",),
+    ("megatron.training.arguments", "validate_args"): ("args",),
     ("megatron.training.training", "setup_model_and_optimizer"):
         ("model_provider_func", "model_type"),
     # core_v0.13.1 has no forward_backward_func parameter (train_step gets the schedule from
@@ -56,6 +59,9 @@ _SEAMS = {
     ("megatron.training.checkpointing", "get_checkpoint_name"):
         ("checkpoints_path", "iteration", "return_base_dir"),
 }
+
+#: Seams wrapped only where the module has the name.
+_OPTIONAL_SEAMS = {("megatron.training.initialize", "validate_args")}
 
 
 class _State:
@@ -422,6 +428,7 @@ def _load_checkpoint(original):
 
 
 _WRAPPERS = {
+    ("megatron.training.arguments", "validate_args"): _validate_args,
     ("megatron.training.initialize", "validate_args"): _validate_args,
     ("megatron.training.training", "setup_model_and_optimizer"): _setup_model_and_optimizer,
     ("megatron.training.training", "train_step"): _train_step,
@@ -445,13 +452,13 @@ def check_seams() -> None:
         fn = getattr(fn, "__wrapped__", fn)
         if fn is None:
             raise MissingSeam(f"Megatron-LM's {module_name}.{name} is missing (megatron_edgc "
-                              f"wraps it; tested with Megatron-LM {TESTED_MEGATRON_LM})")
+                              f"wraps it; tested with Megatron-LM {', '.join(TESTED_MEGATRON_LM)})")
         have = inspect.signature(fn).parameters
         missing = [p for p in params if p not in have]
         if missing:
             raise MissingSeam(f"Megatron-LM's {module_name}.{name} has no parameter "
                               f"{', '.join(missing)} (tested with Megatron-LM "
-                              f"{TESTED_MEGATRON_LM})")
+                              f"{', '.join(TESTED_MEGATRON_LM)})")
 
 
 def enable() -> None:
@@ -461,7 +468,9 @@ def enable() -> None:
     check_seams()
     for (module_name, name), wrap in _WRAPPERS.items():
         module = importlib.import_module(module_name)
-        current = getattr(module, name)
+        current = getattr(module, name, None)
+        if current is None and (module_name, name) in _OPTIONAL_SEAMS:
+            continue
         if getattr(current, "__edgc_wrapped__", False):
             continue
         wrapped = wrap(current)

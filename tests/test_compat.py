@@ -2,7 +2,7 @@
 
 `make test` runs on the pinned megatron-core; this test runs DP compression under
 TP1·PP2·DP2 with overlapped reduce and the distributed optimizer on the oldest supported
-version, installed with ``pip install --no-deps --target build/compat/0.13.1`` (as
+version, installed with ``pip install --no-deps --target build/compat/py3.11/0.13.1`` (as
 ``make test-compat`` does; that target runs the whole compat selection on every version)
 and put first on PYTHONPATH of a pytest subprocess.
 """
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLDEST = "0.13.1"
-TARGET = os.path.join(ROOT, "build", "compat", OLDEST)
+TARGET = os.path.join(ROOT, "build", "compat", "py%d.%d" % sys.version_info[:2], OLDEST)
 TEST = ("tests/test_dp_compression.py::test_static_rank_trains_with_bytes_from_shapes"
         "[tp1-pp2-dp2-overlap-distopt]")
 

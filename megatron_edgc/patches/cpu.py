@@ -1,12 +1,13 @@
-"""Run megatron-core (0.13.1 ... 0.16.1, see ``features.py``) on CPU processes with gloo.
+"""Run megatron-core (0.13.1 ... 0.19.2, see ``features.py``) on CPU processes with gloo.
 
 megatron-core assumes CUDA in a handful of places (listed with file:line in
 shared/FINDINGS.md): tensors created with ``device='cuda'`` or
 ``device=torch.cuda.current_device()``, ``param.type() == 'torch.cuda.FloatTensor'``
-checks, ``torch.cuda.synchronize()`` and the CUDA RNG tracker. Without CUDA we make the
+checks, ``torch.cuda.synchronize()``, streams (0.19's ``start_grad_sync`` waits on
+``torch.cuda.current_stream()``) and the CUDA RNG tracker. Without CUDA we make the
 CPU play the accelerator: factory functions map a CUDA device to the CPU, ``Tensor.type()``
-names CPU tensors as their CUDA counterparts, synchronize is a no-op and the RNG tracker
-forks CPU generator states. Applied once, before the model and optimizer are built, and
+names CPU tensors as their CUDA counterparts, synchronize is a no-op, every stream is a
+null stream (CPU work is already ordered) and the RNG tracker forks CPU generator states. Applied once, before the model and optimizer are built, and
 only when CUDA is absent; with CUDA nothing here runs.
 """
 
@@ -58,6 +59,22 @@ def _cuda_named_type(original):
         return name
 
     return type_
+
+
+class NullStream:
+    """Stands in for a CUDA stream on CPU, where every operation is already ordered."""
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
 
 
 class CpuRNGStatesTracker:
@@ -143,6 +160,10 @@ def apply_cpu_shims(allow_untested: bool = False) -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    null = NullStream()
+    torch.cuda.Stream = lambda *args, **kwargs: null
+    torch.cuda.current_stream = lambda *args, **kwargs: null
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     install_cpu_rng_tracker()
     _applied = True
     return True

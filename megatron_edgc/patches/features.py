@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Callable, Optional
 
 #: megatron-core versions the patches are tested on (``make test-compat``).
-SUPPORTED_MEGATRON_CORE_VERSIONS = ("0.13.1", "0.14.0", "0.15.3", "0.16.1")
+SUPPORTED_MEGATRON_CORE_VERSIONS = ("0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2",
+                                    "0.19.2")
 
 _PPG = "megatron.core.distributed.param_and_grad_buffer"
 _DDP = "megatron.core.distributed.distributed_data_parallel"
@@ -257,9 +258,11 @@ def missing_features(patches=None) -> list:
 
 
 def megatron_core_version() -> str:
+    """The installed release, without the ``+<git hash>`` that 0.19+ append when their
+    files sit inside a git checkout."""
     from megatron.core import package_info
 
-    return package_info.__version__
+    return package_info.__version__.split("+")[0]
 
 
 def missing_message(version: str, missing: list) -> str:

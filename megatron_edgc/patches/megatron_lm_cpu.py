@@ -12,8 +12,8 @@ Megatron-LM core_v0.16.1; docs/megatron-lm-seams.md §2 lists them with file:lin
   ships the built helper, not its Makefile) and nvcc: replaced by an import check;
 * ``set_jit_fusion_options`` warms up ``torch.compile``d kernels (an Inductor C++ build in
   every process): skipped;
-* ``get_model`` builds DDP inside a CUDA side stream; the rerun machine and the checkpoint
-  read ``torch.cuda.get_rng_state()``: a null stream and an empty CUDA RNG state.
+* the rerun machine and the checkpoint
+  read ``torch.cuda.get_rng_state()``: an empty CUDA RNG state (streams: ``apply_cpu_shims``).
 
 Test and laptop use only: with CUDA present nothing here runs. Every patch checks that the
 function it replaces exists and fails with one line naming it otherwise.
@@ -29,22 +29,6 @@ import torch
 from megatron_edgc.patches.cpu import UnsupportedMegatronVersion, apply_cpu_shims
 
 _applied = False
-
-
-class _NullStream:
-    """Stands in for a CUDA stream on CPU, where every operation is already ordered."""
-
-    def wait_stream(self, *args, **kwargs):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def record_event(self, *args, **kwargs):
-        return None
-
-    def wait_event(self, *args, **kwargs):
-        return None
 
 
 @contextlib.contextmanager
@@ -99,10 +83,6 @@ def apply_megatron_lm_cpu_shims(allow_untested: bool = False) -> bool:
     initialize._set_random_seed = _with_one_pretend_device(initialize._set_random_seed)
     initialize._compile_dependencies = _check_dataset_helpers
     training.set_jit_fusion_options = lambda *args, **kwargs: None
-    null = _NullStream()
-    torch.cuda.Stream = lambda *args, **kwargs: null
-    torch.cuda.current_stream = lambda *args, **kwargs: null
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     _applied = True
