@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import sys
 from typing import Optional
@@ -39,6 +40,10 @@ from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _check_ran
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
 TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
+
+#: Checkpoint formats whose iteration directory and ``latest`` pointer the EDGC state
+#: follows (docs/megatron-lm-seams.md §3); ``--async-save`` included.
+CKPT_FORMATS = ("torch", "torch_dist")
 
 #: The seams and the parameters each wrapper relies on (checked in :func:`enable`).
 #: ``validate_args`` is wrapped where Megatron-LM calls it from: ``arguments`` (core_v0.19+:
@@ -158,10 +163,9 @@ def _refuse_unsupported(args) -> None:
     if getattr(args, "non_persistent_save_interval", None):
         refuse("--non-persistent-save-interval", "EDGC state is saved with persistent "
                                                  "checkpoints only")
-    if getattr(args, "async_save", False):
-        refuse("--async-save", "EDGC state is written synchronously")
-    if (args.save or args.load) and getattr(args, "ckpt_format", "torch") != "torch":
-        refuse("--ckpt-format", f"{args.ckpt_format}; use --ckpt-format torch")
+    if (args.save or args.load) and getattr(args, "ckpt_format", "torch") not in CKPT_FORMATS:
+        refuse("--ckpt-format", f"{args.ckpt_format}; use --ckpt-format "
+                                f"{' or '.join(CKPT_FORMATS)}")
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         refuse("--cuda-graph-impl", "graphs would skip the per-step hooks")
     if args.edgc_pp_compression != "off" and getattr(args, "rampup_batch_size", None):
@@ -371,23 +375,64 @@ def _layout(args) -> dict:
             "dp": args.data_parallel_size, "vp": args.virtual_pipeline_model_parallel_size}
 
 
+class _QuietAboutOurSidecars(logging.Filter):
+    """Drops megatron-core's "Overwriting old incomplete / corrupted checkpoint" warning for
+    an iteration directory that held nothing but the EDGC state written just before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Overwriting old incomplete" not in record.getMessage()
+
+
 def _save_checkpoint(original):
     @functools.wraps(original)
     def save_checkpoint(iteration, model, *rest, **kwargs):
-        if _state.runtime is not None and not kwargs.get("non_persistent_ckpt", False):
-            import torch
-            from megatron.training.global_vars import get_args
+        if _state.runtime is None or kwargs.get("non_persistent_ckpt", False):
+            return original(iteration, model, *rest, **kwargs)
+        import torch
+        from megatron.training.global_vars import get_args
 
-            from megatron_edgc.training import checkpoint as ckpt
+        from megatron_edgc.training import checkpoint as ckpt
 
-            args = get_args()
-            path = _sidecar(args.save, iteration, *_coords())
+        args = get_args()
+        path = _sidecar(args.save, iteration, *_coords())
+        base = os.path.dirname(os.path.dirname(path))
+        try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"iteration": iteration, "coords": _coords(), "layout": _layout(args),
                         "extensions": ckpt.collect_rank_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)
-        return original(iteration, model, *rest, **kwargs)
+        except OSError as exc:
+            _fail(ConfigError("--save", f"saving iteration {iteration} failed on rank "
+                                        f"{_global_rank()}: {type(exc).__name__}: {exc}; "
+                                        f"{_last_complete(args.save)}"))
+        quiet = _QuietAboutOurSidecars() if os.listdir(base) == ["edgc"] else None
+        logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+        if quiet is not None:
+            logger.addFilter(quiet)
+        try:
+            return original(iteration, model, *rest, **kwargs)
+        finally:
+            if quiet is not None:
+                logger.removeFilter(quiet)
     return save_checkpoint
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _last_complete(root: str) -> str:
+    """Where the ``latest`` pointer stands: the checkpoint a restart resumes from."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    try:
+        with open(get_checkpoint_tracker_filename(root)) as fh:
+            return f"the last complete checkpoint is iteration {fh.read().strip()} in {root}, " \
+                   f"intact"
+    except OSError:
+        return f"no complete checkpoint in {root} yet"
 
 
 def _load_checkpoint(original):
@@ -406,19 +451,24 @@ def _load_checkpoint(original):
             return out
         root = getattr(args, kwargs.get("load_arg", "load"))
         tp, pp, dp = _coords()
+        # Our replica's file; a rank beyond the saved DP size reads replica 0's.
+        first = _sidecar(root, iteration, tp, pp, 0)
         path = _sidecar(root, iteration, tp, pp, dp)
-        saved_layout = None
-        if os.path.isfile(path):
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            saved_layout = state["layout"]
-        dp_changed = saved_layout is not None and saved_layout["dp"] != args.data_parallel_size
-        if dp_changed:
-            path = _sidecar(root, iteration, tp, pp, 0)
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        if saved_layout is None:
+        path = path if os.path.isfile(path) else first
+        if not os.path.isfile(path):
             print_rank_0(f"warning: EDGC: no compressor state in {os.path.dirname(path)} "
                          f"(saved without megatron_edgc?): compression starts fresh")
             return out
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved, ours = state["layout"], _layout(args)
+        if {k: v for k, v in saved.items() if k != "dp"} != \
+                {k: v for k, v in ours.items() if k != "dp"}:
+            print_rank_0(f"warning: EDGC: compressor state saved with layout {saved}, resumed "
+                         f"with {ours}: compression starts fresh")
+            return out
+        dp_changed = saved["dp"] != ours["dp"]
+        if dp_changed and path != first:
+            state = torch.load(first, map_location="cpu", weights_only=False)
         _state.stashed = (state["extensions"], dp_changed)
         return out
     return load_checkpoint
