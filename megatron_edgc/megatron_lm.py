@@ -396,16 +396,18 @@ def _save_checkpoint(original):
         args = get_args()
         path = _sidecar(args.save, iteration, *_coords())
         base = os.path.dirname(os.path.dirname(path))
+        error = None
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"iteration": iteration, "coords": _coords(), "layout": _layout(args),
                         "extensions": ckpt.collect_rank_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)
         except OSError as exc:
-            _fail(ConfigError("--save", f"saving iteration {iteration} failed on rank "
-                                        f"{_global_rank()}: {type(exc).__name__}: {exc}; "
-                                        f"{_last_complete(args.save)}"))
-        quiet = _QuietAboutOurSidecars() if os.listdir(base) == ["edgc"] else None
+            error = exc
+        # Before the all-reduce no rank has begun Megatron's own files.
+        quiet = _QuietAboutOurSidecars() if error is None and os.listdir(base) == ["edgc"] \
+            else None
+        _stop_if_any_rank_failed(error, iteration, args)
         logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
         if quiet is not None:
             logger.addFilter(quiet)
@@ -415,6 +417,33 @@ def _save_checkpoint(original):
             if quiet is not None:
                 logger.removeFilter(quiet)
     return save_checkpoint
+
+
+def _stop_if_any_rank_failed(error: Optional[Exception], iteration: int, args) -> None:
+    """All ranks agree whether every EDGC file was written (one all-reduce per save). If
+    one was not, Megatron's files are never started: the job finishes any asynchronous save
+    still in flight (so ``latest`` names the previous checkpoint, complete), the first
+    failing rank says what failed, and every rank exits 2."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    first = torch.tensor([_global_rank() if error is not None else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    first = int(first.item())  # once per save, not per step
+    if first == world:
+        return
+    if getattr(args, "async_save", False):
+        from megatron.training.async_utils import maybe_finalize_async_save
+
+        maybe_finalize_async_save(blocking=True)
+    if error is not None and _global_rank() == first:
+        print(f"error: --save: saving iteration {iteration} failed on rank {first}: "
+              f"{type(error).__name__}: {error}; {_last_complete(args.save)}",
+              file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def _global_rank() -> int:

@@ -1,14 +1,23 @@
-"""The plug-in in Megatron-LM's own ``pretrain_gpt.py`` (the core_v0.16.1 snapshot in
-``../shared/vendor``), two lines added, 4 gloo processes (TP1·PP2·DP2), mock data.
+"""The plug-in in Megatron-LM's own ``pretrain_gpt.py``, two lines added, 4 gloo processes
+(TP1·PP2·DP2), mock data, on each Megatron-LM tag of ``../shared/vendor`` whose environment
+is here:
 
-Set ``EDGC_MEGATRON_LM`` to a Megatron-LM checkout (or a tarball of one) to run these
-tests against it instead; without either they skip, saying so.
+* core_v0.16.1 with megatron-core 0.16.x: the pinned venv (``make test``);
+* core_v0.19.0 with megatron-core 0.19.x: Python 3.12 (``make venv312`` and
+  ``make test-compat VERSIONS=0.19.2``, which installs it under build/compat/py3.12/).
+
+A tag whose snapshot or environment is missing skips, saying which and how to get it.
+``EDGC_MEGATRON_LM`` names another folder of snapshots (``megatron-lm-<tag>.tar.gz`` or an
+unpacked ``megatron-lm-<tag>/``).
 """
 
 import difflib
+import functools
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,9 +29,15 @@ from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNAPSHOT = os.path.join(ROOT, "..", "shared", "vendor", "megatron-lm-core_v0.16.1.tar.gz")
+VENDOR = os.environ.get("EDGC_MEGATRON_LM") or os.path.join(ROOT, "..", "shared", "vendor")
+#: Megatron-LM tag -> the megatron-core release series it pairs with.
+TAGS = {"core_v0.16.1": "0.16", "core_v0.19.0": "0.19"}
 
-#: The two lines a user adds to their pretrain_gpt.py (README, "EDGC in your Megatron-LM job").
+#: The two lines a user adds to their pretrain_gpt.py (README, "EDGC in your Megatron-LM job"):
+#: the first at the top of its ``if __name__ == "__main__":`` block, the second replacing the
+#: ``extra_args_provider=`` of ``pretrain`` (core_v0.16.1) or ``parse_and_validate_args``
+#: (core_v0.19.0).
+MAIN = 'if __name__ == "__main__":\n'
 ENABLE_LINE = "    import megatron_edgc.megatron_lm as edgc; edgc.enable()\n"
 PROVIDER = "extra_args_provider=edgc.add_args,"
 
@@ -45,26 +60,60 @@ EDGC = ["--edgc-mode", "edgc", "--edgc-window", "2", "--edgc-warmup-max-iters", 
         "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
         "--edgc-iter-sample-rate", "1.0", "--edgc-bypass", "off", "--edgc-dac", "off",
         "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "16"]
+#: Megatron-LM's default format as large jobs run it: distributed optimizer, bf16, async.
+TORCH_DIST = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--bf16",
+              "--async-save"]
 
 
-@pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory):
-    """(directory of Megatron-LM, the unmodified pretrain_gpt.py, the two-line copy)."""
-    source = os.environ.get("EDGC_MEGATRON_LM") or SNAPSHOT
-    if not os.path.exists(source):
-        pytest.skip(f"no Megatron-LM here: {SNAPSHOT} is absent and EDGC_MEGATRON_LM is unset")
+def _megatron_core_of(python: str, pythonpath: str):
+    """The megatron-core release ``python`` imports with ``pythonpath`` (None: none)."""
+    probe = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('megatron-core'))"],
+        env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True,
+        timeout=60)
+    return probe.stdout.strip() or None
+
+
+@functools.lru_cache(maxsize=None)
+def environment(series: str):
+    """(python, PYTHONPATH) running megatron-core ``series``, or a string saying why none."""
+    candidates = [(sys.executable, os.environ.get("PYTHONPATH", ""))]
+    for python in sorted(glob.glob(os.path.join(ROOT, ".venv*", "bin", "python"))):
+        for target in sorted(glob.glob(os.path.join(ROOT, "build", "compat", "py*",
+                                                    f"{series}.*"))):
+            if os.path.isfile(os.path.join(target, ".installed")):
+                candidates.append((python, target))
+    for python, path in candidates:
+        if os.path.exists(python) and \
+                (_megatron_core_of(python, path) or "").startswith(series + "."):
+            return python, path
+    return (f"no Python environment with megatron-core {series}.x here (for 0.19: "
+            f"make venv312 && make test-compat VERSIONS=0.19.2)")
+
+
+@pytest.fixture(scope="module", params=list(TAGS))
+def megatron_lm(request, tmp_path_factory):
+    """(directory of Megatron-LM, the unmodified pretrain_gpt.py, the two-line copy,
+    (python, PYTHONPATH)) for one tag."""
+    tag = request.param
+    sources = [os.path.join(VENDOR, f"megatron-lm-{tag}{ext}") for ext in (".tar.gz", "")]
+    source = next((s for s in sources if os.path.exists(s)), None)
+    if source is None:
+        pytest.skip(f"no Megatron-LM {tag} here: none of {', '.join(sources)}")
+    env = environment(TAGS[tag])
+    if isinstance(env, str):
+        pytest.skip(f"Megatron-LM {tag}: {env}")
     if os.path.isdir(source):
         where = source
     else:
-        where = str(tmp_path_factory.mktemp("megatron-lm"))
+        where = str(tmp_path_factory.mktemp(f"megatron-lm-{tag}"))
         with tarfile.open(source) as tar:
             tar.extractall(where, filter="data")
     original = os.path.join(where, "pretrain_gpt.py")
     with open(original) as fh:
         text = fh.read()
-    marker = "    pretrain(\n"
-    assert text.count(marker) == 1 and text.count("extra_args_provider=") == 1
-    patched = text.replace(marker, ENABLE_LINE + marker)
+    assert text.count(MAIN) == 1 and text.count("extra_args_provider=") == 1
+    patched = text.replace(MAIN, MAIN + ENABLE_LINE)
     patched = re.sub(r"extra_args_provider=[^\n]*,", PROVIDER, patched)
     diff = list(difflib.ndiff(text.splitlines(), patched.splitlines()))
     added, removed = [d for d in diff if d[:2] == "+ "], [d for d in diff if d[:2] == "- "]
@@ -72,21 +121,21 @@ def megatron_lm(tmp_path_factory):
     copy = os.path.join(where, "pretrain_gpt_edgc.py")
     with open(copy, "w") as fh:
         fh.write(patched)
-    return where, original, copy
+    return where, original, copy, env
 
 
 def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
                     expect_ok: bool = True, nproc: int = 4):
     """One 4-process torchrun of ``script``; returns (output, Megatron's per-iteration lm
     losses, the EDGC metrics records)."""
-    where = megatron_lm[0]
+    where, _, _, (python, pythonpath) = megatron_lm
     metrics = str(tmp_path / f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "megatron_edgc.megatron_lm_cpu", script, *ARGS, *extra]
     if script != megatron_lm[1]:
         cmd += ["--edgc-metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([where, ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([where, ROOT, pythonpath]))
     proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
@@ -196,3 +245,49 @@ def test_bad_edgc_flag_fails_before_any_process_group(megatron_lm, tmp_path):
                                      "bad", expect_ok=False, nproc=1)
     assert "error: --edgc-rank: must be in [1, inf] (got 0)" in out
     assert "initializing torch distributed" not in out and losses == []
+
+
+def test_torch_dist_async_saves_fail_cleanly_and_resume_exactly(megatron_lm, tmp_path):
+    """Megatron-LM's default format as large jobs run it (distributed optimizer, bf16,
+    ``--async-save``). One run of 8 saves at 4 and cannot save at 8 (a file is in the way):
+    it stops with one error line, and iteration 4 stays complete and named by ``latest``.
+    From it a resumed run repeats iterations 5-8 exactly; a run on half the DP size keeps
+    the DP-invariant state (the ranks in force) and resets the per-replica one."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "iter_0000008").write_text("in the way")
+    save = EDGC + TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4"]
+    out, _, whole = run_megatron_lm(megatron_lm, megatron_lm[2], save, tmp_path, "whole",
+                                    expect_ok=False)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-4000:]
+    assert errors[0].startswith("error: --save: saving iteration 8 failed on rank 0: "
+                                "NotADirectoryError: "), errors
+    assert errors[0].endswith(f"; the last complete checkpoint is iteration 4 in {ckpt}, "
+                              f"intact"), errors
+    assert "Overwriting old incomplete" not in out      # our files alone are no stale ckpt
+    assert [r["iteration"] for r in whole] == list(range(1, 9))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008",
+                                        "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "iter_0000008").read_text() == "in the way"
+    assert sorted(os.listdir(ckpt / "iter_0000004" / "edgc")) == \
+        [f"tp00_pp{p:03d}_dp{d:05d}.pt" for p in (0, 1) for d in (0, 1)]
+
+    out, _, resumed = run_megatron_lm(megatron_lm, megatron_lm[2],
+                                      EDGC + TORCH_DIST + ["--load", str(ckpt)], tmp_path,
+                                      "resumed")
+    assert "no compressor state" not in out
+    keys = ("iteration", "loss", "rank_dp", "rank_pp", "dp_bytes_sent_job", "pp_bytes_sent_job")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[4:]]
+    assert any(r["rank_dp"] != [8, 8] for r in whole[2:])      # the controller moved
+
+    out, _, half = run_megatron_lm(megatron_lm, megatron_lm[2],
+                                   EDGC + TORCH_DIST + ["--load", str(ckpt)], tmp_path, "dp1",
+                                   nproc=2)
+    assert "EDGC: resumed on another DP size; per-replica state reset" in out
+    assert [r["iteration"] for r in half] == [5, 6, 7, 8]
+    # The ranks in force for the window after the save come from the checkpoint.
+    assert [r["rank_dp"] for r in half[:2]] == [r["rank_dp"] for r in whole[4:6]]
+    assert [r["rank_pp"] for r in half[:2]] == [r["rank_pp"] for r in whole[4:6]]
+    assert half[0]["loss"] == pytest.approx(whole[4]["loss"], rel=1e-3)  # same samples

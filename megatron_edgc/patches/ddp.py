@@ -11,7 +11,7 @@ module replaces those two methods on each bucket-group *instance*:
   ``[P... | flag]`` in bf16 and the dense rest in fp32) — asynchronously when
   ``overlap_grad_reduce`` is on, so each bucket goes out as soon as it is ready;
 * finish: per bucket, wait, orthonormalize and launch the ``Q`` all-reduce (async, so one
-  bucket's ``Q`` travels while the next is orthonormalized); then, as the ``Q``\ s land,
+  bucket's ``Q`` travels while the next is orthonormalized); then, as the ``Q``s land,
   write the decompressed average into the bucket's ``grad_data`` — on every rank, so with the distributed optimizer each rank
   simply reads its shard of it (the all-reduce replaces the reduce-scatter).
 
