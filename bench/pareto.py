@@ -108,9 +108,11 @@ def plan(testbed: str, seeds: int) -> list:
     runs.append(("budget50-lr-step-adam", "budget", SEED0,
                  budget50_lr + ["--edgc-budget-step-limit", "on",
                                 "--edgc-budget-weight", "adam"]))
-    # issue 15: P and Q in bf16 at r_max (half the factor bytes): free on this plane?
-    runs.append((f"static-r{r_max}-bf16", "static-bf16", SEED0,
-                 static + ["--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"]))
+    # issues 15, 26: P and Q in bf16 at r_max (half the factor bytes): free on this plane?
+    # Seeded as static r_max is, so each seed pairs with its fp32 run.
+    runs += [(f"static-r{r_max}-bf16", "static-bf16", seed,
+              static + ["--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"])
+             for seed in range(SEED0, SEED0 + seeds)]
     # Target A's byte limit (60 % of r_max's) spent with twice r_max allowed, stepped and
     # LR-scheduled: room for the shapes whose error curve still pays above r_max
     runs.append((f"budget30-rmax{2 * r_max}-lr-step", "budget", SEED0,
@@ -378,10 +380,14 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds of dense and two static points")
     p.add_argument("--report-only", action="store_true",
                    help="summarize the runs that exist, train nothing")
+    p.add_argument("--only", nargs="+", metavar="RUN", default=None,
+                   help="train only the planned runs of these names (e.g. static-r8-bf16); "
+                        "the report still covers every recorded run")
     args = p.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     todo = [(testbed, *run) for testbed in args.testbed for run in plan(testbed, args.seeds)
-            if not is_recorded(testbed, run[0], run[2])]
+            if not is_recorded(testbed, run[0], run[2])
+            and (args.only is None or run[0] in args.only)]
     if todo and not args.report_only:
         print(f"{len(todo)} runs to train (the others are reused); the report is rewritten "
               f"after each: {', '.join(f'{t} {n} s{s}' for t, n, _, s, _ in todo)}",
