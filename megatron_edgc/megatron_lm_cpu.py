@@ -9,6 +9,9 @@ them on this path are stubbed (megatron-core's batch-invariant kernels, which ne
 ``megatron.rl``: absent from a training-only export of Megatron-LM), each only when it does
 not import; then the CPU shims (:mod:`megatron_edgc.patches.megatron_lm_cpu`). The script
 itself is run unmodified, as ``__main__``; with CUDA present only the stubs apply.
+Processes the script spawns (megatron-core 0.16's asynchronous checkpoint writer starts a
+``spawn`` manager) start from this module, so they get the stubs too, instead of
+re-importing the script without them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def install_import_stubs() -> list:
     return stubbed
 
 
+def _spawned_children_start_here() -> None:
+    """``multiprocessing``'s spawn re-imports the parent's ``__main__`` in every child: by
+    default the script (whose imports need the stubs); here, this module by name."""
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        if data.pop("init_main_from_path", None) is not None:
+            data["init_main_from_name"] = "megatron_edgc.megatron_lm_cpu"
+        return data
+    spawn.get_preparation_data = get_preparation_data
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -66,6 +84,7 @@ def main(argv=None) -> None:
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))
     install_import_stubs()
+    _spawned_children_start_here()
     from megatron_edgc.patches.megatron_lm_cpu import apply_megatron_lm_cpu_shims
 
     apply_megatron_lm_cpu_shims(allow_untested="--edgc-allow-untested-megatron" in argv)
@@ -75,3 +94,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # a process the script spawned
+    install_import_stubs()

@@ -65,27 +65,30 @@ TORCH_DIST = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--b
               "--async-save"]
 
 
-def _megatron_core_of(python: str, pythonpath: str):
-    """The megatron-core release ``python`` imports with ``pythonpath`` (None: none)."""
-    probe = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('megatron-core'))"],
-        env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True,
-        timeout=60)
-    return probe.stdout.strip() or None
+def _probe(python: str, pythonpath: str) -> tuple:
+    """(Python X.Y, the megatron-core release it imports with ``pythonpath`` or None)."""
+    code = ("import sys, importlib.metadata as m\n"
+            "try: v = m.version('megatron-core')\nexcept m.PackageNotFoundError: v = ''\n"
+            "print('%d.%d' % sys.version_info[:2], v)")
+    probe = subprocess.run([python, "-c", code], env=dict(os.environ, PYTHONPATH=pythonpath),
+                           capture_output=True, text=True, timeout=60)
+    found = probe.stdout.split()
+    return (found[0], found[1] if len(found) > 1 else None) if found else (None, None)
 
 
 @functools.lru_cache(maxsize=None)
 def environment(series: str):
-    """(python, PYTHONPATH) running megatron-core ``series``, or a string saying why none."""
+    """(python, PYTHONPATH) running megatron-core ``series``, or a string saying why none:
+    this interpreter, else a venv of the project with build/compat/py<its X.Y>/<series>.*
+    (as ``make test-compat`` installs them)."""
     candidates = [(sys.executable, os.environ.get("PYTHONPATH", ""))]
     for python in sorted(glob.glob(os.path.join(ROOT, ".venv*", "bin", "python"))):
-        for target in sorted(glob.glob(os.path.join(ROOT, "build", "compat", "py*",
-                                                    f"{series}.*"))):
-            if os.path.isfile(os.path.join(target, ".installed")):
-                candidates.append((python, target))
+        version, _ = _probe(python, "")
+        pattern = os.path.join(ROOT, "build", "compat", f"py{version}", f"{series}.*")
+        candidates += [(python, target) for target in sorted(glob.glob(pattern))
+                       if os.path.isfile(os.path.join(target, ".installed"))]
     for python, path in candidates:
-        if os.path.exists(python) and \
-                (_megatron_core_of(python, path) or "").startswith(series + "."):
+        if (_probe(python, path)[1] or "").startswith(series + "."):
             return python, path
     return (f"no Python environment with megatron-core {series}.x here (for 0.19: "
             f"make venv312 && make test-compat VERSIONS=0.19.2)")
