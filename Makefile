@@ -35,7 +35,7 @@ COMPAT_TESTS := \
 	"tests/test_checkpoint.py::test_resume_reproduces_uninterrupted_losses[distopt-overlap]" \
 	tests/test_features.py
 
-.PHONY: install venv312 data demo test test-compat clean
+.PHONY: install venv312 data demo test test-compat gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,21 @@ data/shakespeare-gpt2_text_document.bin: | $(VENV)/.installed
 data/shakespeare-bpe8k_text_document.bin: | $(VENV)/.installed
 	$(PY) scripts/prepare_data.py --tokenizer-type CorpusBPETokenizer --vocab-size 8192 \
 		--output-prefix data/shakespeare-bpe8k
+
+# The wheels a bare GPU machine (Python 3.12 and torch in its image, no internet) lacks,
+# for scripts/gpu_check.py: megatron-core (its needs, numpy and packaging, are in the
+# image, as are pyyaml, tensorboard, tiktoken and tokenizers) and the two asset packages.
+# Checked against the device's package list (DEVELOPERS.md); ~7.5 MiB of the 64 allowed.
+GPU_WHEELS ?= .whl
+GPU_MCORE  ?= megatron-core==0.16.1
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) "$(GPU_MCORE)"
+	$(PYTHON) -m pip wheel -q --no-deps -w $(GPU_WHEELS) -r requirements-assets.txt
+	@du -sh $(GPU_WHEELS)
 
 demo: install data
 	$(PY) scripts/demo.py

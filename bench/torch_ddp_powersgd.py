@@ -22,6 +22,7 @@ processes), torchrun or srun.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -270,8 +271,7 @@ def main(argv=None) -> int:
 
     if launch is not None:
         return worker(cfg, opts, launch.rank, launch.world_size, launch.local_rank)
-    return spawn_local(lambda r, w, lr: worker(cfg, opts, r, w, lr), par.world_size,
-                       par.master_port)
+    return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ entry point behind ``pretrain_gpt2_edgc.py`` and the ``edgc-pretrain`` command.
 Bad configuration fails here, with one line naming the flag, before any process group.
 """
 
+import functools
 import sys
 
 
@@ -32,8 +33,8 @@ def main(argv=None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(worker_main)(cfg, launch.rank, launch.world_size, launch.local_rank)
-    return spawn_local(lambda rank, world, local: worker_main(cfg, rank, world, local),
-                       cfg.parallel.world_size, cfg.parallel.master_port)
+    return spawn_local(functools.partial(worker_main, cfg), cfg.parallel.world_size,
+                       cfg.parallel.master_port)
 
 
 if __name__ == "__main__":

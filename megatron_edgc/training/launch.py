@@ -118,9 +118,21 @@ def first_failure(error_dir: str) -> Optional[dict]:
     return min(records, key=lambda r: r["time_ns"]) if records else None
 
 
+def start_method() -> str:
+    """``fork`` on CPU machines: the workers start in milliseconds with the parent's
+    imports. ``spawn`` where CUDA is present: a forked child cannot use CUDA once the parent
+    has initialized it, and importing megatron-core does (measured on an H100, torch 2.11:
+    "Cannot re-initialize CUDA in forked subprocess" in ``torch.cuda.set_device``). The
+    target must then be picklable (a module-level function or a ``functools.partial``)."""
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
 def spawn_local(target: Callable[[int, int, int], int], world_size: int,
                 port: Optional[int] = None) -> int:
-    """Run ``target(rank, world_size, local_rank)`` in ``world_size`` forked processes.
+    """Run ``target(rank, world_size, local_rank)`` in ``world_size`` local processes
+    (forked, or spawned where CUDA is present: :func:`start_method`).
 
     Returns 0 if all succeeded, else the first non-zero exit code; a failed or
     interrupted job stops every other worker (they would wait in collectives forever).
@@ -128,7 +140,7 @@ def spawn_local(target: Callable[[int, int, int], int], world_size: int,
     cause) is printed here, once, with its rank and traceback.
     """
     port = port or free_port()
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(start_method())
     with tempfile.TemporaryDirectory(prefix="edgc-errors-") as error_dir:
         procs = [ctx.Process(target=_child, args=(target, r, world_size, port, error_dir),
                              daemon=False) for r in range(world_size)]

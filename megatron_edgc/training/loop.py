@@ -395,14 +395,15 @@ def format_summary(s: dict) -> str:
 def init_worker(cfg, rank: int, world_size: int, local_rank: int) -> None:
     """Device, CPU shims (without CUDA) and the default process group of one rank."""
     on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
+    if on_gpu:  # more local ranks than GPUs (gloo only: NCCL refuses two ranks on one GPU)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
         apply_cpu_shims(cfg.allow_untested_megatron)
     backend = cfg.parallel.distributed_backend or ("nccl" if on_gpu else "gloo")
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             store=_restart_safe_store(world_size),
-                            **({"device_id": torch.device("cuda", local_rank)} if on_gpu else {}))
+                            **({"device_id": device} if backend == "nccl" else {}))
 
 
 def _restart_safe_store(world_size: int):

@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""PowerSGD's compress/decompress kernels on the paper configs' TP-sharded shapes.
+
+    python bench/gpu_kernels.py [--device cuda] [--ranks 16 32 64] [--out FILE.json]
+    python bench/gpu_kernels.py --device cpu --scale 16      # a dry run on CPU
+
+For each paper config (``configs/gpt2-2.5b-v100x32.yaml``, ``configs/gpt2-12.1b-h100x64.yaml``)
+it builds the gradient matrices of the largest (TP, PP) shard (stage 0, which holds the
+word embedding; ``bench/model.py:shard_matrices``) as one bucket and runs the real
+:class:`~megatron_edgc.compression.powersgd.BucketCompressor` on it as one DP rank (the
+collectives left out: this times the math only), at each rank and factor dtype:
+
+* ``start``: error feedback ``M = G + E`` and ``P = M Q`` (batched by shape), the non-finite flag;
+* ``middle``: the QR of ``P`` and ``Q = Mᵀ P̂``;
+* ``finish``: ``P̂ Qᵀ`` into the gradients and the error-feedback update;
+
+and, per shape group, the same kernels one by one (``ops``). Intervals are CUDA events on
+the current stream (read after a synchronize), the median of ``--repeats`` after
+``--warmup`` steps. It also measures the entropy sampler (GDS: gather of β of the shard's
+elements and the Gaussian estimate) and the memory of the error-feedback state (the
+residual and warm-start Q kept between steps) and the peak of one step.
+
+``--scale k`` divides hidden and ffn sizes by ``k`` (CPU dry runs; the report says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.model import CLUSTERS, shard_matrices  # noqa: E402
+from megatron_edgc.compression.powersgd import (FACTOR_DTYPES, BucketCompressor,  # noqa: E402
+                                                orthonormalize)
+from megatron_edgc.entropy import GradientSampler, estimate_entropy  # noqa: E402
+
+VOCAB = 50304
+
+
+class Timer:
+    """Milliseconds of a region: CUDA events on the current stream, or the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, repeats: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def shard_shapes(cluster_key: str, scale: int) -> tuple[list, int, dict]:
+    import yaml
+
+    cluster = CLUSTERS[cluster_key]
+    with open(os.path.join(ROOT, cluster.config)) as fh:
+        cfg = yaml.safe_load(fh)
+    md, par = cfg["model"], cfg["parallel"]
+    hidden = md["hidden_size"] // scale
+    ffn = (md.get("ffn_hidden_size") or 4 * md["hidden_size"]) // scale
+    mats, rest = shard_matrices(md["num_layers"], hidden, ffn, VOCAB,
+                                par["tensor_model_parallel_size"],
+                                par["pipeline_model_parallel_size"])
+    layout = {"tp": par["tensor_model_parallel_size"], "pp": par["pipeline_model_parallel_size"],
+              "dp": par["data_parallel_size"], "hidden": hidden, "ffn": ffn,
+              "layers_per_stage": md["num_layers"] // par["pipeline_model_parallel_size"]}
+    return mats, rest, layout
+
+
+def time_compressor(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup) -> dict:
+    """The three phases of one compressed step on one bucket holding every matrix."""
+    entries = [(f"m{i}", shape) for i, shape in enumerate(mats)]
+    comp = BucketCompressor(entries, rank, device=device, factor_dtype=FACTOR_DTYPES[factor_dtype])
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(n, m, device=device, generator=gen) for n, m in mats]
+    originals = [g.clone() for g in grads]
+    state = {}
+
+    def start():
+        state["bufs"], state["step"] = comp.start(grads)
+
+    def middle():
+        state["q"] = comp.middle(state["step"], state["bufs"])
+
+    def finish():
+        comp.finish(state["step"], state["q"])
+
+    def restore():
+        for g, o in zip(grads, originals):
+            g.copy_(o)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start(); middle(); finish(); restore()  # noqa: E702  (first step allocates E and Q)
+    memory = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        memory = {"ef_state_bytes": torch.cuda.memory_allocated() - base,
+                  "step_peak_bytes": torch.cuda.max_memory_allocated() - base}
+    ef_expected = sum(g.residual.numel() * 4 + g.q.numel() * 4 for g in comp.groups.values())
+    # Phases timed in sequence within each repeated step (the state flows through).
+    phase_ms = {"start": [], "middle": [], "finish": []}
+    for i in range(warmup + repeats):
+        for name, fn in (("start", start), ("middle", middle), ("finish", finish)):
+            ms = timer(fn, 1, 0)
+            if i >= warmup:
+                phase_ms[name].append(ms)
+        restore()
+    out = {k: statistics.median(v) for k, v in phase_ms.items()}
+    out["total"] = sum(out.values())
+    first, second = comp.collective_bytes()
+    out.update(memory, ef_state_expected_bytes=ef_expected, wire_bytes=first + second,
+               dense_bytes=comp.dense_numel() * 4,
+               compressed_matrices=sum(len(g.indices) for g in comp.groups.values()))
+    return out
+
+
+def time_ops(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup) -> dict:
+    """Each kernel of the step, per shape group (k matrices of n x m), summed over groups."""
+    dtype = FACTOR_DTYPES[factor_dtype]
+    totals = Counter()
+    for (n, m), k in Counter(mats).items():
+        r = min(rank, n, m)
+        g = torch.randn(k, n, m, device=device)
+        e = torch.randn(k, n, m, device=device)
+        q = torch.randn(k, m, r, device=device)
+        mm = g + e
+        p = torch.bmm(mm, q)
+        p_hat = orthonormalize(p)
+        q_loc = torch.bmm(mm.transpose(1, 2), p_hat)
+        out = torch.empty(n, m, device=device)
+        totals["ef_add"] += timer(lambda: torch.add(g, e, out=mm), repeats, warmup)
+        totals["p_bmm"] += timer(lambda: torch.bmm(mm, q), repeats, warmup)
+        totals["to_factor_dtype"] += timer(lambda: p.to(dtype), repeats, warmup)
+        totals["qr"] += timer(lambda: orthonormalize(p), repeats, warmup)
+        totals["q_bmm"] += timer(lambda: torch.bmm(mm.transpose(1, 2), p_hat), repeats, warmup)
+        totals["decompress"] += timer(lambda: [torch.mm(p_hat[j], q_loc[j].T, out=out)
+                                               for j in range(k)], repeats, warmup)
+        totals["ef_update"] += timer(lambda: torch.baddbmm(mm, p_hat, q_loc.transpose(1, 2),
+                                                           alpha=-1), repeats, warmup)
+        del g, e, mm
+    return dict(totals)
+
+
+def time_entropy(mats, rest: int, device, timer, repeats, warmup,
+                 grad_sample_rate: float = 0.25, iter_sample_rate: float = 0.1) -> dict:
+    numel = sum(n * m for n, m in mats) + rest
+    flat = torch.randn(numel, device=device)
+    sampler = GradientSampler(numel, grad_sample_rate=grad_sample_rate,
+                              iter_sample_rate=iter_sample_rate)
+    sampler.sample(flat, 0)  # draws and moves the window's indices once
+    ms = timer(lambda: estimate_entropy(sampler.sample(flat, 0)), repeats, warmup)
+    return {"numel": numel, "grad_sample_rate": grad_sample_rate,
+            "iter_sample_rate": iter_sample_rate, "measured_iteration_ms": ms,
+            "per_iteration_ms": ms * iter_sample_rate}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(FACTOR_DTYPES))
+    ap.add_argument("--configs", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
+    ap.add_argument("--scale", type=int, default=1, help="divide hidden/ffn by this (dry runs)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-ops", action="store_true", help="skip the per-kernel breakdown")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # what the trainer's fp32 math does
+    timer = Timer(device)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else platform.processor() or platform.machine(),
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "scale": args.scale, "repeats": args.repeats, "configs": {}}
+    for key in args.configs:
+        mats, rest, layout = shard_shapes(key, args.scale)
+        entry = {"layout": layout, "shapes": [[n, m, k] for (n, m), k in Counter(mats).items()],
+                 "dense_rest": rest, "runs": []}
+        for dtype in args.dtypes:
+            for rank in args.ranks:
+                row = {"rank": rank, "factor_dtype": dtype,
+                       **time_compressor(mats, rank, dtype, device, timer, args.repeats,
+                                         args.warmup)}
+                if not args.no_ops:
+                    row["ops"] = time_ops(mats, rank, dtype, device, timer, args.repeats,
+                                          args.warmup)
+                entry["runs"].append(row)
+                print(f"{key} r{rank} {dtype}: start {row['start']:.2f} middle "
+                      f"{row['middle']:.2f} finish {row['finish']:.2f} = {row['total']:.2f} ms"
+                      + (f", EF state {row['ef_state_bytes'] / 2**20:.0f} MiB, step peak "
+                         f"{row['step_peak_bytes'] / 2**20:.0f} MiB"
+                         if "ef_state_bytes" in row else ""), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        entry["entropy"] = time_entropy(mats, rest, device, timer, args.repeats, args.warmup)
+        print(f"{key} entropy sample: {entry['entropy']['measured_iteration_ms']:.2f} ms per "
+              f"measured iteration", flush=True)
+        report["configs"][key] = entry
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
