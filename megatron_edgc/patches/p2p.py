@@ -321,9 +321,10 @@ class CompressingP2PCommunicator(_P2PBase):
 
     def _header(self, r: int, n: int, m: int, k: int, device) -> torch.Tensor:
         """``[MAGIC, table version, r, n, m, k]`` in fp32, made on ``device`` (a tensor from
-        host data would wait for the stream); the first five cached."""
+        host data would wait for the stream); the first five cached for the table in force."""
         key = (str(device), self.table_version, r, n, m)
         if key not in self._headers:
+            self._headers = {k: v for k, v in self._headers.items() if k[1] == key[1]}
             self._headers[key] = torch.cat([torch.full((1,), float(v), device=device)
                                             for v in (MAGIC, self.table_version, r, n, m)])
         return torch.cat([self._headers[key], torch.full((1,), float(k), device=device)])
