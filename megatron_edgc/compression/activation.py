@@ -59,7 +59,7 @@ class ActivationGradSender:
         r = min(self.rank, *mat.shape)
         if self.q is None or self.q.shape != (m_dim, r):
             self.q = seeded_gaussian(self.seed, self.name, "init", m_dim, r).to(mat.device)
-        bad = torch.isfinite(mat).logical_not().any()
+        bad = torch.isfinite(mat).all().logical_not()
         p_hat = orthonormalize(mat @ self.q)
         q = mat.T @ p_hat
         residual = mat - p_hat @ q.T

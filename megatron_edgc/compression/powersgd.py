@@ -293,7 +293,7 @@ class BucketCompressor:
         else:
             bufs = ([torch.cat(p_parts)] if p_parts else []) + [torch.cat(dense_parts + [flag])]
         payloads = bufs[:-1] + [bufs[-1][:-1]]
-        nonfinite = torch.stack([torch.isfinite(b).logical_not().any() for b in payloads]).any()
+        nonfinite = torch.stack([torch.isfinite(b).all() for b in payloads]).all().logical_not()
         bufs[-1][-1] = nonfinite
         return bufs, step
 

@@ -333,7 +333,7 @@ class CompressingP2PCommunicator(_P2PBase):
         n, m = grad.numel() // grad.shape[-1], grad.shape[-1]
         p_hat, q = self._sender(k).compress(grad.detach())
         r = p_hat.shape[1]
-        self.stats.add_nonfinite_flag(k, torch.isfinite(p_hat).logical_not().any())
+        self.stats.add_nonfinite_flag(k, torch.isfinite(p_hat).all().logical_not())
         return torch.cat([self._header(r, n, m, k, grad.device), p_hat.reshape(-1),
                           q.reshape(-1)])
 
