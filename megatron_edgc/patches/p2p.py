@@ -324,7 +324,7 @@ class CompressingP2PCommunicator(_P2PBase):
         host data would wait for the stream); the first five cached for the table in force."""
         key = (str(device), self.table_version, r, n, m)
         if key not in self._headers:
-            self._headers = {k: v for k, v in self._headers.items() if k[1] == key[1]}
+            self._headers = {c: v for c, v in self._headers.items() if c[1] == key[1]}
             self._headers[key] = torch.cat([torch.full((1,), float(v), device=device)
                                             for v in (MAGIC, self.table_version, r, n, m)])
         return torch.cat([self._headers[key], torch.full((1,), float(k), device=device)])
