@@ -1,9 +1,13 @@
 """Run one training job in a fresh interpreter and dump every rank's results.
 
-    python tests/job_runner.py OUT_DIR [--inject-nan-at ITER] [pretrain flags...]
+    python tests/job_runner.py OUT_DIR [--inject-nan-at ITER] [--count-host-syncs]
+                               [pretrain flags...]
 
 ``--inject-nan-at ITER`` writes a NaN into DP rank 1's first gradient of iteration ITER
 (0-based) just before the DP sync (a test of the non-finite guard).
+``--count-host-syncs`` counts the host syncs (``tests/host_sync.py``) of the patched DP
+bucket-group sync and of the compressed pipeline sends and receives, per iteration, into
+each rank's result (``host_syncs``: ``(iteration, site, call, source line)``).
 
 A fresh process matters: workers are forked after the imports, which is only safe
 before the forking process has run torch operations (OpenMP thread pools do not survive
@@ -23,9 +27,11 @@ from megatron_edgc.training.launch import spawn_local  # noqa: E402
 
 def main() -> int:
     out_dir, argv = sys.argv[1], sys.argv[2:]
-    inject_at = None
+    inject_at, count_syncs = None, False
     if argv[:1] == ["--inject-nan-at"]:
         inject_at, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--count-host-syncs"]:
+        count_syncs, argv = True, argv[1:]
     from megatron.core import parallel_state
 
     from megatron_edgc.patches import ddp
@@ -48,6 +54,7 @@ def main() -> int:
             ddp.DPGradientCompression._start = poisoned_start
         try:
             trainer = Trainer(cfg)
+            syncs = count_host_syncs(trainer) if count_syncs else []
             summary = trainer.run()
             params = {f"{i}.{name}": p.detach().clone()
                       for i, chunk in enumerate(trainer.bundle.chunks)
@@ -55,7 +62,7 @@ def main() -> int:
             torch.save({"tp": parallel_state.get_tensor_model_parallel_rank(),
                         "pp": parallel_state.get_pipeline_model_parallel_rank(),
                         "dp": parallel_state.get_data_parallel_rank(),
-                        "params": params, "summary": summary,
+                        "params": params, "summary": summary, "host_syncs": syncs,
                         "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
                                          for g in c.bucket_groups),
                         "compression": trainer.dp_compression.state_dict()
@@ -74,6 +81,31 @@ def main() -> int:
             shutdown_worker()
 
     return spawn_local(target, cfg.parallel.world_size)
+
+
+def count_host_syncs(trainer) -> list:
+    """Wrap the patched DP sync of every bucket group and the pipeline message packing in
+    a host-sync counter; returns the list the counts go to."""
+    from host_sync import HostSyncCounter
+
+    syncs: list = []
+
+    def counted(fn, site):
+        def wrapper(*args, **kwargs):
+            with HostSyncCounter() as counter:
+                out = fn(*args, **kwargs)
+            it = trainer.dp_compression.iteration
+            syncs.extend((it, site, name, where) for name, where in counter.calls)
+            return out
+        return wrapper
+
+    for group in trainer.dp_compression.bucket_groups:
+        group.start_grad_sync = counted(group.start_grad_sync, "dp start_grad_sync")
+        group.finish_grad_sync = counted(group.finish_grad_sync, "dp finish_grad_sync")
+    if trainer.p2p is not None:
+        trainer.p2p._pack = counted(trainer.p2p._pack, "pp send")
+        trainer.p2p._unpack_into = counted(trainer.p2p._unpack_into, "pp receive")
+    return syncs
 
 
 if __name__ == "__main__":

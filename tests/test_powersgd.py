@@ -13,8 +13,6 @@ def simulated_step(compressors, grads_per_rank):
     reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
     qs = [c.middle(step, [b.clone() for b in reduced])
           for c, (_, step) in zip(compressors, firsts)]
-    if qs[0] is None:
-        return None
     reduced_q = sum(qs)
     for c, (_, step) in zip(compressors, firsts):
         c.finish(step, reduced_q.clone())
@@ -145,16 +143,39 @@ def test_matrix_going_dense_hands_back_its_residual():
     assert torch.allclose(g + res, original, atol=1e-5)
 
 
-def test_nonfinite_bucket_goes_dense_and_keeps_residual():
-    entries = [("w", (32, 64))]
-    comps = [BucketCompressor(entries, 2, seed=0) for _ in range(2)]
-    simulated_step(comps, [[torch.randn(32, 64)], [torch.randn(32, 64)]])
-    before = [c.groups[(32, 64)].residual.clone() for c in comps]
-    bad = torch.randn(32, 64)
-    bad[3, 5] = float("nan")
-    assert simulated_step(comps, [[bad], [torch.randn(32, 64)]]) is None  # both ranks agree
-    for c, b in zip(comps, before):
-        assert torch.equal(c.groups[(32, 64)].residual, b)
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_bucket_keeps_residual_and_warm_start(factor_dtype):
+    """A NaN on one rank: every rank's flag sum says so, every rank's decompressed matrices
+    are NaN (the summed dense rest is non-finite already), E and Q keep their values from
+    before the step, and the next finite step is the one a clean run would have taken."""
+    entries = [("w", (32, 64)), ("v", (32, 64)), ("b", (1, 32))]
+    gen = torch.Generator().manual_seed(4)
+
+    def grads():
+        return [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(2)]
+
+    comps = [BucketCompressor(entries, 2, seed=0, factor_dtype=factor_dtype) for _ in range(2)]
+    clean = [BucketCompressor(entries, 2, seed=0, factor_dtype=factor_dtype) for _ in range(2)]
+    first = grads()
+    simulated_step(comps, [[g.clone() for g in gs] for gs in first])
+    simulated_step(clean, [[g.clone() for g in gs] for gs in first])
+    before = [(c.groups[(32, 64)].residual.clone(), c.groups[(32, 64)].q.clone()) for c in comps]
+    bad = grads()
+    bad[0][2][0, 5] = float("nan")                       # rank 0's bias only
+    flags = [c.start([g.clone() for g in gs])[0][-1][-1].item() for c, gs in zip(comps, bad)]
+    assert flags == [1.0, 0.0]                            # (start changes no state here)
+    simulated_step(comps, bad)
+    for c, (residual, q), gs in zip(comps, before, bad):
+        assert torch.equal(c.groups[(32, 64)].residual, residual)
+        assert torch.equal(c.groups[(32, 64)].q, q)
+        assert torch.isnan(gs[0]).all() and torch.isnan(gs[1]).all()
+        assert torch.isnan(gs[2][0, 5]) and torch.isfinite(gs[2][0, :5]).all()
+    after = grads()
+    simulated_step(comps, [[g.clone() for g in gs] for gs in after])
+    simulated_step(clean, [[g.clone() for g in gs] for gs in after])
+    for c, d in zip(comps, clean):
+        assert torch.equal(c.groups[(32, 64)].residual, d.groups[(32, 64)].residual)
+        assert torch.equal(c.groups[(32, 64)].q, d.groups[(32, 64)].q)
 
 
 def test_orthonormalize_guards_zero_columns():
@@ -274,13 +295,19 @@ def test_bf16_factor_buffer_layouts(entries):
 
 
 def test_bf16_overflow_is_flagged_non_finite():
-    """A P element finite in fp32 but beyond bf16's range is caught after the cast."""
+    """A P element finite in fp32 but beyond bf16's range is caught after the cast: the
+    step leaves NaN gradients and the fresh residual and warm start untouched."""
     entries = [("w", (64, 48)), ("b", (1, 48))]
     comp = BucketCompressor(entries, 2, factor_dtype=torch.bfloat16)
     grads = [torch.zeros(64, 48), torch.zeros(1, 48)]
     grads[0][0, 0] = 3.0e38
     bufs, step = comp.start(grads)
-    assert bufs[-1][-1] == 1.0 and comp.middle(step, bufs) is None
+    assert bufs[-1][-1] == 1.0
+    q0 = comp.groups[(64, 48)].q.clone()
+    comp.finish(step, comp.middle(step, bufs))
+    assert torch.isnan(grads[0]).all() and torch.equal(grads[1], torch.zeros(1, 48))
+    assert torch.equal(comp.groups[(64, 48)].q, q0)
+    assert torch.equal(comp.groups[(64, 48)].residual, torch.zeros(1, 64, 48))
 
 
 @pytest.mark.parametrize("rank", [1, 4])

@@ -91,26 +91,59 @@ def test_message_rules_sender_and_receiver_agree():
 
 
 def test_mismatched_rank_or_version_is_an_error_not_garbage():
+    """The receiver compares the header on the device: a disagreeing message decodes as
+    NaN, and check_messages() (once per step) raises naming it."""
     comm = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
     comm.pp_size, comm.stage, comm.seed, comm.num_chunks = 2, 1, 0, 1
     comm._send_chunk, comm.senders, comm.rank, comm.table_version = None, {}, 8, 3
+    comm._headers = {}
     from megatron_edgc.patches.p2p import PPSendStats
-    comm.stats = PPSendStats()
+    comm.stats = PPSendStats(stage=1)
     grad = torch.randn(SHAPE)
     payload = comm._pack(grad, k=0)
     receiver = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
     receiver.pp_size, receiver.stage, receiver.table_version = 2, 0, 3
+    receiver._headers, receiver._received = {}, []
     out = torch.empty(SHAPE)
     receiver._unpack_into(payload, out, k=0, r=8)                       # agrees: decodes
+    receiver.check_messages()
     sender = ActivationGradSender(8, seed=0, name="pp-stage1-chunk0")
     p, q = sender.compress(grad)
     assert torch.allclose(out, (p @ q.T).view(SHAPE), atol=1e-6)
     receiver.table_version = 4                                          # stale table
+    receiver._unpack_into(payload, out, k=0, r=8)
+    assert torch.isnan(out).all()
     with pytest.raises(PipelineRankMismatch, match="version, rank"):
-        receiver._unpack_into(payload, out, k=0, r=8)
+        receiver.check_messages()
     receiver.table_version = 3
-    with pytest.raises(PipelineRankMismatch):                           # other message
-        receiver._unpack_into(payload, out, k=1, r=8)
+    receiver._unpack_into(payload, out, k=1, r=8)                       # other message
+    assert torch.isnan(out).all()
+    with pytest.raises(PipelineRankMismatch, match="as message 0"):
+        receiver.check_messages()
+    receiver.check_messages()                                           # read once
+
+
+def test_nonfinite_backward_send_is_flagged_on_the_device():
+    """A NaN in a backward send: the factors go out NaN, the sender keeps its residual and
+    Q, and the event appears when the step's stats are resolved."""
+    comm = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    comm.pp_size, comm.stage, comm.seed, comm.num_chunks = 2, 1, 0, 1
+    comm._send_chunk, comm.senders, comm.rank, comm.table_version = None, {}, 8, 0
+    comm._headers = {}
+    from megatron_edgc.patches.p2p import PPSendStats
+    comm.stats = PPSendStats(stage=1)
+    comm._pack(torch.randn(SHAPE), k=0)
+    sender = comm.senders[0]
+    residual, q = sender.residual.clone(), sender.q.clone()
+    bad = torch.randn(SHAPE)
+    bad[3, 1, 5] = float("inf")
+    payload = comm._pack(bad, k=1)
+    assert torch.isnan(payload[HEADER:]).all()
+    assert torch.equal(sender.residual, residual) and torch.equal(sender.q, q)
+    assert comm.stats.events == []
+    comm.stats.resolve()
+    assert comm.stats.events == ["non-finite activation gradient in backward message 1 of "
+                                 "stage 1: sent as such, residual kept"]
 
 
 @pytest.mark.parametrize("layout", ["tp1-pp2-dp2", "pp4-dp1"])

@@ -43,24 +43,33 @@ class ActivationGradSender:
         self.rank = rank
 
     def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``grad`` [..., hidden] → (P^ [n, r], Q [m, r]) in fp32; updates the residual."""
+        """``grad`` [..., hidden] → (P^ [n, r], Q [m, r]) in fp32; updates the residual.
+
+        Where ``grad`` plus the residual holds a NaN/Inf, the factors come back NaN (the
+        receiver's gradient becomes non-finite, as it would dense) and the residual and Q
+        keep their last finite values — decided on the device, with no host sync: the
+        power step always runs and ``torch.where`` selects (one pass over the residual).
+        """
         m_dim = grad.shape[-1]
         mat = grad.reshape(-1, m_dim).float()
-        if self.residual is not None and self.residual.shape == mat.shape:
-            mat = mat + self.residual
+        owed = self.residual if self.residual is not None \
+            and self.residual.shape == mat.shape else None
+        if owed is not None:
+            mat = mat + owed
         r = min(self.rank, *mat.shape)
         if self.q is None or self.q.shape != (m_dim, r):
             self.q = seeded_gaussian(self.seed, self.name, "init", m_dim, r).to(mat.device)
-        if not bool(torch.isfinite(mat).all()):
-            # Pass the non-finite value on (the receiver's gradient becomes non-finite,
-            # as it would dense) but keep the residual and Q of the last good step.
-            nan = float("nan")
-            return mat.new_full((mat.shape[0], r), nan), mat.new_full((m_dim, r), nan)
+        bad = torch.isfinite(mat).all().logical_not()
         p_hat = orthonormalize(mat @ self.q)
         q = mat.T @ p_hat
-        self.residual = mat - p_hat @ q.T
-        self.q = q
-        return p_hat, q
+        residual = mat - p_hat @ q.T
+        if owed is None:
+            self.residual = residual.masked_fill_(bad, 0.0)
+        else:
+            self.residual = torch.where(bad, owed, residual, out=residual)
+        self.q = torch.where(bad, self.q, q)
+        nan = float("nan")
+        return p_hat.masked_fill(bad, nan), q.masked_fill(bad, nan)
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "q": self.q, "residual": self.residual}

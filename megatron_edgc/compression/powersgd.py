@@ -21,8 +21,20 @@ One step for a bucket, on every DP rank ``i``::
 
 With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
 and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
-flag rides with ``P`` in a bucket without a dense rest), and all math stays fp32. Each rank's residual is taken against the bf16-rounded ``Q_i`` it actually
-sent, so its own rounding is fed back (only the rounding inside the SUM is not).
+flag rides with ``P`` in a bucket without a dense rest), and all math stays fp32. Each
+rank's residual is taken against the bf16-rounded ``Q_i`` it actually sent, so its own
+rounding is fed back (only the rounding inside the SUM is not).
+
+Nothing in a step waits for the device (no ``.item()``, no branch on a tensor): under
+``overlap_grad_reduce`` the step runs inside backward, where a host sync would stall the
+queueing of backward kernels. The non-finite flag (1 where this rank's ``P`` — after the
+cast to the factor dtype, so a bf16 overflow counts — or dense rest holds a NaN/Inf) is
+written into the buffer on the device, and after the SUM every rank holds the same count,
+so every rank runs the same steps and issues the same collectives. Where the count is
+non-zero the step still runs to the end, but the decompressed gradients are NaN (the
+summed dense rest is non-finite already) — the non-finite gradient Megatron's optimizer
+acts on, as it would without compression — and ``E`` and ``Q`` keep their values from
+before the step (selected with ``torch.where``, one pass over ``E``).
 
 The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_i M_i -
 M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
@@ -102,6 +114,7 @@ class _Step:
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
     q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
+    nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
 
 
 class BucketCompressor:
@@ -126,7 +139,8 @@ class BucketCompressor:
         self.rank = rank
         self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
         #: When set, :meth:`finish` adds each group's captured energy per basis column to
-        #: :attr:`spectrum` (the budget controller's measured error curves).
+        #: :attr:`spectrum` (the budget controller's measured error curves): per shape
+        #: ``[Σ‖M‖², Σ column energies, steps]`` as float64 / int64 tensors on the device.
         self.track_spectrum = False
         self.spectrum: dict[tuple[int, int], list] = {}
         self.groups: dict[tuple[int, int], ShapeGroup] = {}
@@ -249,12 +263,14 @@ class BucketCompressor:
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, _Step]:
         """Error feedback and ``P = M Q``; returns the buffers to SUM-reduce: ``[[P... |
         dense... | flag]]``, or with bf16 factors ``[[P...] (bf16), [dense... | flag]]``
-        (``[[P... | flag]]`` without a dense rest, ``[[dense... | flag]]`` without P)."""
+        (``[[P... | flag]]`` without a dense rest, ``[[dense... | flag]]`` without P).
+
+        The flag is 1 where any element of P (in the factor dtype) or of the dense rest is
+        non-finite, else 0; it is computed and written on the device."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
         device = grads[0].device
         p_parts, dense_parts = [], []
-        local_nonfinite = False
         for key, g in self.groups.items():
             if g.q is None:
                 self._init_group(g, device)
@@ -269,27 +285,24 @@ class BucketCompressor:
             dense_parts.append(grads[i].float().reshape(-1))
         if self.factor_dtype != torch.float32:  # checked after the cast: it may overflow
             p_parts = [part.to(self.factor_dtype) for part in p_parts]
-        for part in p_parts + dense_parts:
-            if not torch.isfinite(part).all():
-                local_nonfinite = True
-                break
-        flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=device)
+        flag = torch.zeros(1, device=device)
         if self.factor_dtype == torch.float32:
-            return [torch.cat(p_parts + dense_parts + [flag])], step
-        if not dense_parts:  # the flag rides with P (it sums exactly in bf16 up to 256)
-            return [torch.cat(p_parts + [flag.to(self.factor_dtype)])], step
-        return ([torch.cat(p_parts)] if p_parts else []) + [torch.cat(dense_parts + [flag])], step
+            bufs = [torch.cat(p_parts + dense_parts + [flag])]
+        elif not dense_parts:  # the flag rides with P (it sums exactly in bf16 up to 256)
+            bufs = [torch.cat(p_parts + [flag.to(self.factor_dtype)])]
+        else:
+            bufs = ([torch.cat(p_parts)] if p_parts else []) + [torch.cat(dense_parts + [flag])]
+        payloads = bufs[:-1] + [bufs[-1][:-1]]
+        nonfinite = torch.stack([torch.isfinite(b).all() for b in payloads]).all().logical_not()
+        bufs[-1][-1] = nonfinite
+        return bufs, step
 
-    def middle(self, step: _Step, reduced: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    def middle(self, step: _Step, reduced: Sequence[torch.Tensor]) -> torch.Tensor:
         """After the first SUM (the buffers of :meth:`start`, reduced): orthonormalize P,
-        ``Q = M^T P``; returns Q to SUM-reduce (in the factor dtype).
-
-        Returns None when some rank saw a non-finite value: the caller then reduces the
-        raw bucket densely and the residuals stay as they were.
-        """
+        ``Q = M^T P``, the dense rest into its gradients; returns Q to SUM-reduce (in the
+        factor dtype). Runs whatever the summed flag says (see :meth:`finish`)."""
         # the flag ends the last buffer: [P... | dense... | flag], [P | flag] or [dense | flag]
-        if reduced[-1][-1].item() > 0:
-            return None
+        step.nonfinite = reduced[-1][-1:] > 0
         split = len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.groups)
         p_buf = reduced[0]
         offset = 0
@@ -325,17 +338,24 @@ class BucketCompressor:
     def finish(self, step: _Step, reduced_q: torch.Tensor) -> None:
         """After the second SUM: ``M^ = P^ Q^T`` into the gradients; residual and warm start.
 
-        Both products write where their result lives, with no temporary and no extra pass
-        over ``n x m``: ``M^`` straight into each fp32 gradient (``mm(out=)``), and the
-        residual into ``M``'s own storage (``M -= P^ Q_i^T`` as one ``baddbmm``), which
-        this step owns. Bit-identical to the unfused ``bmm``, copy and subtraction on CPU
-        (``tests/test_powersgd.py``); ``bench/compression_math.py`` times both forms.
+        Both products write where their result lives, with no temporary: ``M^`` straight
+        into each fp32 gradient (``mm(out=)``), and the residual into ``M``'s own storage
+        (``M -= P^ Q_i^T`` as one ``baddbmm``), which this step owns. Bit-identical to the
+        unfused ``bmm``, copy and subtraction on CPU (``tests/test_powersgd.py``);
+        ``bench/compression_math.py`` times both forms.
+
+        Where some rank flagged a non-finite value (``step.nonfinite``, on the device) the
+        summed Q is replaced by NaN, so every decompressed gradient is NaN, and the residual
+        and warm start keep their old values: one ``torch.where`` pass over ``E``, in
+        place, on every step (the price of deciding on the device).
         """
+        bad = step.nonfinite
         offset = 0
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
             q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
             offset += k * g.m * r
+            q = q.masked_fill(bad, float("nan"))  # a new tensor: reduced_q stays as it came
             p_hat = step.p_hat[key]
             for j, i in enumerate(g.indices):
                 grad = step.grads[i]
@@ -344,14 +364,17 @@ class BucketCompressor:
                 else:
                     grad.copy_(torch.mm(p_hat[j], q[j].transpose(0, 1)))
             if self.track_spectrum:  # reads M: before M becomes the residual
-                self._add_spectrum(key, step.m[key], step.q_local[key])
-            g.residual = step.m[key].baddbmm_(p_hat, step.q_sent[key].transpose(1, 2), alpha=-1)
+                self._add_spectrum(key, step.m[key], step.q_local[key], bad)
+            residual = step.m[key].baddbmm_(p_hat, step.q_sent[key].transpose(1, 2), alpha=-1)
+            g.residual = torch.where(bad, g.residual, residual, out=residual)
             step.m[key] = None  # now the residual
-            g.q = q.clone()
+            g.q = torch.where(bad, g.q, q)
         assert offset == reduced_q.numel()
 
-    def _add_spectrum(self, key, m: torch.Tensor, q_local: torch.Tensor) -> None:
-        """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of Mᵀ P^]`` for one group.
+    def _add_spectrum(self, key, m: torch.Tensor, q_local: torch.Tensor,
+                      bad: torch.Tensor) -> None:
+        """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of Mᵀ P^, steps]`` for one
+        group, on the device (``bad``: the step's non-finite flag; such a step adds 0).
 
         ``P^`` is orthonormal, so column ``j`` of ``Q_local = Mᵀ P^`` carries exactly the
         energy ``‖Mᵀ p_j‖²`` the step captures in direction ``p_j``, and ``‖M‖² − Σ_j`` of
@@ -360,14 +383,16 @@ class BucketCompressor:
         rank up to the current one, at the cost of one pass over ``Q_local``.
         """
         cols = (q_local.float() ** 2).sum(dim=1).sort(dim=1, descending=True).values.sum(0)
-        total = float((m.float() ** 2).sum())
+        total = (m.float() ** 2).sum().double()
+        good = bad.logical_not().view(())
+        total, cols = torch.where(good, total, 0.0), torch.where(good, cols.double(), 0.0)
         entry = self.spectrum.get(key)
         if entry is None or entry[1].numel() != cols.numel():
-            self.spectrum[key] = [total, cols.double().cpu(), 1]
+            self.spectrum[key] = [total, cols, good.long()]
         else:
-            entry[0] += total
-            entry[1] += cols.double().cpu()
-            entry[2] += 1
+            entry[0] = entry[0] + total
+            entry[1] = entry[1] + cols
+            entry[2] = entry[2] + good.long()
 
     def absorb_residual(self, grads: Sequence[torch.Tensor]) -> None:
         """Before a dense sync of this bucket: add every residual (and pending flush) into
@@ -397,7 +422,7 @@ class BucketCompressor:
                                          "residual": g.residual[j].cpu().clone()}
         out["pending_flush"] = {k: v.cpu().clone() for k, v in self._pending_flush.items()}
         # the window's measured column energies so far (a mid-window checkpoint resumes them)
-        out["spectrum"] = [[n, m, total, cols.clone(), count]
+        out["spectrum"] = [[n, m, float(total), cols.cpu().clone(), int(count)]
                            for (n, m), (total, cols, count) in sorted(self.spectrum.items())]
         return out
 
@@ -419,6 +444,9 @@ class BucketCompressor:
                 mismatched += [name for name in g.names if name in mats]
                 g.q = g.residual = None
         self._pending_flush = dict(state.get("pending_flush", {}))
-        self.spectrum = {(n, m): [total, cols.clone(), count]
+        dev = device if device is not None else self.device
+        self.spectrum = {(n, m): [torch.tensor(total, dtype=torch.float64, device=dev),
+                                  cols.to(dev, torch.float64, copy=True),
+                                  torch.tensor(count, dtype=torch.int64, device=dev)]
                          for n, m, total, cols, count in state.get("spectrum", [])}
         return mismatched

@@ -8,17 +8,30 @@ module replaces those two methods on each bucket-group *instance*:
 
 * start: scale as Megatron does, then for each bucket compute ``P = (G + E) Q`` and launch
   one SUM all-reduce of ``[P... | dense rest | non-finite flag]`` (with bf16 factors two:
-  ``[P... | flag]`` in bf16 and the dense rest in fp32) — asynchronously when
+  ``[P...]`` in bf16 and ``[dense rest | flag]`` in fp32, the flag riding with ``P`` in a
+  bucket without a dense rest) — asynchronously when
   ``overlap_grad_reduce`` is on, so each bucket goes out as soon as it is ready;
 * finish: per bucket, wait, orthonormalize and launch the ``Q`` all-reduce (async, so one
   bucket's ``Q`` travels while the next is orthonormalized); then, as the ``Q``s land,
-  write the decompressed average into the bucket's ``grad_data`` — on every rank, so with the distributed optimizer each rank
-  simply reads its shard of it (the all-reduce replaces the reduce-scatter).
+  write the decompressed average into the bucket's ``grad_data`` — on every rank, so with
+  the distributed optimizer each rank simply reads its shard of it (the all-reduce
+  replaces the reduce-scatter).
 
 Everything after (the tied-embedding sync between first and last stage, gradient
-clipping, the optimizer) sees an ordinary reduced gradient. With compression off nothing
-is patched, and training is bit-identical to plain megatron-core. Before
-``start_iter`` (and whenever the rank table says "dense") the original methods run.
+clipping, the optimizer) sees an ordinary reduced gradient — or, where some rank's bucket
+held a NaN/Inf, a bucket with NaN in it, which the optimizer's own non-finite handling
+acts on (error feedback is left untouched, see ``compression/powersgd.py``).
+
+Neither method waits for the device: under ``overlap_grad_reduce`` the start runs inside
+backward, where a host sync would stall the queueing of backward kernels. The non-finite
+decision is taken on the device (every rank holds the same summed flag, so every rank
+issues the same collectives), and the step's times and non-finite count are collected as
+CUDA events and device tensors and resolved by :meth:`DPSyncStats.resolve`, once per step
+after the step's work (``training/edgc_runtime.py``).
+
+With compression off nothing is patched, and training is bit-identical to plain
+megatron-core. Before ``start_iter`` (and whenever the rank table says "dense") the
+original methods run.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import torch.distributed as dist
 from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
 from megatron_edgc.patches import features
+from megatron_edgc.patches.timing import IntervalClock
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +68,28 @@ def _require_attributes(obj, names, what: str) -> None:
 
 @dataclass
 class DPSyncStats:
-    """Per-iteration DP-sync telemetry of this rank."""
+    """Per-iteration DP-sync telemetry of this rank.
+
+    Nothing here waits for the device during the step: times are kept as pairs of
+    :attr:`clock` stamps (CUDA events on a GPU, ``perf_counter`` on CPU) and each bucket's
+    non-finite flag as a device tensor; :meth:`resolve` turns them into ``compress_s``,
+    ``comm_s``, ``nonfinite_buckets`` and events, once per step after the step's work.
+    """
 
     bytes_sent: int = 0      # bytes placed into DP collectives
     bytes_dense: int = 0     # bytes plain megatron-core would have placed
     compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
-    comm_s: float = 0.0      # time waiting for the collectives
-    nonfinite_buckets: int = 0
+    comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
+                             # time the stream waited for them)
+    nonfinite_buckets: int = 0       # buckets some rank flagged NaN/Inf (left NaN, EF kept)
     bypassed_buckets: int = 0        # sent dense by the bypass (compression would not pay)
     predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
     predicted_cost_s: float = 0.0    # their measured compress + decompress time
     compressed: bool = False
     events: list = field(default_factory=list)
+    clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
+    _intervals: list = field(default_factory=list)  # (name, start stamp, end stamp)
+    _nonfinite: list = field(default_factory=list)  # (bucket key, bool [1] device tensor)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
@@ -74,6 +98,32 @@ class DPSyncStats:
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
         self.events = []
+        self._intervals, self._nonfinite = [], []
+
+    def add_time(self, name: str, start) -> None:
+        """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
+        self._intervals.append((name, start, self.clock.stamp()))
+
+    def add_nonfinite_flag(self, key: str, flag: torch.Tensor) -> None:
+        """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
+        self._nonfinite.append((key, flag))
+
+    def resolve(self) -> None:
+        """Turn the step's stamps and flags into numbers (reads the device: call once per
+        step, after its work; a second call adds nothing)."""
+        if self._intervals:
+            self.clock.wait()
+        for name, start, end in self._intervals:
+            setattr(self, name, getattr(self, name) + self.clock.seconds_between(start, end))
+        self._intervals = []
+        if self._nonfinite:
+            flags = torch.cat([flag.view(-1) for _, flag in self._nonfinite]).tolist()
+            for (key, _), bad in zip(self._nonfinite, flags):
+                if bad:
+                    self.nonfinite_buckets += 1
+                    self.events.append(f"non-finite gradient in {key}: left non-finite for "
+                                       f"the optimizer, error feedback untouched")
+        self._nonfinite = []
 
 
 class _PendingSync:
@@ -118,7 +168,7 @@ class DPGradientCompression:
         self.rank = rank
         self.start_iter = start_iter
         self.iteration = 0
-        self.stats = DPSyncStats()
+        self.stats = DPSyncStats()  # its clock is set below, from the buckets' device
         self.entropy_probe: Optional[Callable[[str, torch.Tensor], None]] = None
         self.sync_end_hook: Optional[Callable[[], None]] = None  # after each group's sync
         self.compressors: dict[str, BucketCompressor] = {}
@@ -145,6 +195,9 @@ class DPGradientCompression:
                     self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
                 self._patch(group)
                 self.bucket_groups.append(group)
+        devices = {c.device for c in self.compressors.values()}
+        self.stats.clock = IntervalClock(use_cuda=any(
+            d is not None and torch.device(d).type == "cuda" for d in devices))
 
     # ------------------------------------------------------------------ control
 
@@ -279,7 +332,8 @@ class DPGradientCompression:
 
     def pop_spectrum(self) -> dict:
         """``{(n, m): (Σ‖M‖², Σ sorted column energies)}`` over all buckets since the last
-        call (see :meth:`BucketCompressor._add_spectrum`), then cleared."""
+        call (see :meth:`BucketCompressor._add_spectrum`), then cleared: a float and a CPU
+        tensor (read from the device here, once per window)."""
         out: dict = {}
         for comp in self.compressors.values():
             for shape, (total, cols, _) in comp.spectrum.items():
@@ -288,7 +342,7 @@ class DPGradientCompression:
                 else:
                     out[shape] = (total, cols.clone())
             comp.spectrum = {}
-        return out
+        return {shape: (float(total), cols.cpu()) for shape, (total, cols) in out.items()}
 
     def bucket_grads(self):
         """(key, grad_data) of every bucket, in a fixed order."""
@@ -383,7 +437,7 @@ class DPGradientCompression:
         scale_extra = 1.0 / self.dp_size if group.ddp_config.average_in_collective else 1.0
         launched = []
         for bucket in group.buckets:
-            t0 = time.perf_counter()
+            t0 = stats.clock.stamp()
             factor = bucket.gradient_scaling_factor * scale_extra
             if factor != 1.0:
                 bucket.grad_data *= factor
@@ -397,59 +451,51 @@ class DPGradientCompression:
                 stats.bypassed_buckets += 1
                 stats.bytes_sent += _bucket_grad_bytes(bucket)
                 stats.bytes_dense += _bucket_grad_bytes(bucket)
-                launched.append((bucket, None, None, None, [handle]))
+                launched.append((key, None, None, None, [handle]))
                 continue
             bufs, step = comp.start(grads)
-            stats.compress_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
+            stats.add_time("compress_s", t0)
+            t0 = stats.clock.stamp()
             handles = [dist.all_reduce(buf, group=self.dp_group, async_op=async_op)
                        for buf in bufs]
-            stats.comm_s += time.perf_counter() - t0
+            stats.add_time("comm_s", t0)
             stats.bytes_sent += sum(buf.numel() * buf.element_size() for buf in bufs)
             stats.bytes_dense += _bucket_grad_bytes(bucket)
-            launched.append((bucket, comp, bufs, step, handles))
+            launched.append((key, comp, bufs, step, handles))
 
         def finish():
             # Pipelined second phase: as each bucket's P arrives, orthonormalize it and
             # launch its Q all-reduce asynchronously, so bucket k's Q is on the wire while
             # bucket k+1 is orthonormalized; then decompress in bucket order as the Qs land.
-            # Every rank issues the same collectives in the same order (the non-finite flag
-            # is part of the reduced P, so the dense fallback is taken everywhere or nowhere).
+            # Every rank issues the same collectives in the same order, whatever the
+            # non-finite flags say (they are decided on the device, see powersgd.py).
             in_flight = []
-            for bucket, comp, bufs, step, handles in launched:
-                t0 = time.perf_counter()
+            for key, comp, bufs, step, handles in launched:
+                t0 = stats.clock.stamp()
                 for handle in handles:
                     if handle is not None:
                         handle.wait()
-                stats.comm_s += time.perf_counter() - t0
+                stats.add_time("comm_s", t0)
                 if comp is None:  # bypassed: the dense all-reduce was the whole sync
                     continue
-                t0 = time.perf_counter()
+                t0 = stats.clock.stamp()
                 q_buf = comp.middle(step, bufs)
-                stats.compress_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if q_buf is None:  # a non-finite value somewhere: this bucket goes dense
-                    stats.nonfinite_buckets += 1
-                    stats.events.append(f"non-finite gradient in "
-                                        f"{self._bucket_key[id(bucket)]}: sent dense, "
-                                        f"error feedback untouched")
-                    dist.all_reduce(bucket.grad_data, group=self.dp_group)
-                    stats.bytes_sent += _bucket_grad_bytes(bucket)
-                    stats.comm_s += time.perf_counter() - t0
-                    continue
+                stats.add_time("compress_s", t0)
+                stats.add_nonfinite_flag(key, step.nonfinite)
+                t0 = stats.clock.stamp()
                 q_handle = None
                 if q_buf.numel():
                     q_handle = dist.all_reduce(q_buf, group=self.dp_group, async_op=True)
                     stats.bytes_sent += q_buf.numel() * q_buf.element_size()
-                stats.comm_s += time.perf_counter() - t0
+                stats.add_time("comm_s", t0)
                 in_flight.append((comp, step, q_buf, q_handle))
             for comp, step, q_buf, q_handle in in_flight:
-                t0 = time.perf_counter()
+                t0 = stats.clock.stamp()
                 if q_handle is not None:
                     q_handle.wait()
-                stats.comm_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
+                stats.add_time("comm_s", t0)
+                t0 = stats.clock.stamp()
                 comp.finish(step, q_buf)
-                stats.compress_s += time.perf_counter() - t0
+                stats.add_time("compress_s", t0)
 
         group.grad_reduce_handle = _PendingSync(finish)

@@ -23,6 +23,12 @@ message carries ``(table version, rank, n, m, k)``; a receiver that expected any
 else raises :class:`PipelineRankMismatch` instead of decoding garbage. (A sender whose
 message is larger than the receive buffer aborts in gloo; NCCL has no such check, which
 is why the table is broadcast rather than recomputed independently.)
+
+No send or receive waits for the device: the header is built and checked on the device
+(the receiver sizes its buffer from its own rank, not from the header), a message whose
+header disagrees is decoded as NaN, and :meth:`CompressingP2PCommunicator.check_messages`
+reads the step's headers once, after the step's work, and raises there. Non-finite sends
+are likewise flagged on the device and read by :meth:`PPSendStats.resolve`.
 """
 
 from __future__ import annotations
@@ -55,15 +61,32 @@ class PipelineRankMismatch(RuntimeError):
 
 @dataclass
 class PPSendStats:
-    """This rank's backward sends in one iteration."""
+    """This rank's backward sends in one iteration (``events`` filled by :meth:`resolve`)."""
 
     bytes_sent: int = 0
     bytes_dense: int = 0
     events: list = field(default_factory=list)
+    stage: int = 0
+    _nonfinite: list = field(default_factory=list)  # (message index, bool device tensor)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = 0
         self.events = []
+        self._nonfinite = []
+
+    def add_nonfinite_flag(self, k: int, flag: torch.Tensor) -> None:
+        """Backward message ``k``'s non-finite flag (bool, on the device)."""
+        self._nonfinite.append((k, flag))
+
+    def resolve(self) -> None:
+        """Read the step's non-finite flags into ``events`` (once per step, after its work)."""
+        if self._nonfinite:
+            flags = torch.stack([flag for _, flag in self._nonfinite]).tolist()
+            for (k, _), bad in zip(self._nonfinite, flags):
+                if bad:
+                    self.events.append(f"non-finite activation gradient in backward message "
+                                       f"{k} of stage {self.stage}: sent as such, residual kept")
+        self._nonfinite = []
 
 
 class _DecompressOnWait:
@@ -233,7 +256,9 @@ class CompressingP2PCommunicator(_P2PBase):
         self.epilogue_only, self.seed, self.timer = epilogue_only, seed, timer
         self.rank: Optional[int] = None
         self.table_version = 0
-        self.stats = PPSendStats()
+        self.stats = PPSendStats(stage=self.stage)
+        self._headers: dict = {}   # (device, version, r, n, m) -> the header without k
+        self._received: list = []  # this step's (k, expected header, received header)
         self.entropy_probe: Optional[Callable[[torch.Tensor], None]] = None
         self.senders: dict[int, ActivationGradSender] = {}
         self.send_count = self.recv_count = 0
@@ -262,6 +287,7 @@ class CompressingP2PCommunicator(_P2PBase):
     def begin_iteration(self) -> None:
         self.send_count = self.recv_count = 0
         self.stats.reset()
+        self._received = []
 
     def messages_per_iteration(self, receiver: int) -> int:
         """Backward messages per iteration on the edge into stage ``receiver``."""
@@ -293,31 +319,51 @@ class CompressingP2PCommunicator(_P2PBase):
         return ActivationGradSender(rank, seed=self.seed,
                                     name=f"pp-stage{self.stage}-chunk{chunk}")
 
+    def _header(self, r: int, n: int, m: int, k: int, device) -> torch.Tensor:
+        """``[MAGIC, table version, r, n, m, k]`` in fp32, made on ``device`` (a tensor from
+        host data would wait for the stream); the first five cached for the table in force."""
+        key = (str(device), self.table_version, r, n, m)
+        if key not in self._headers:
+            self._headers = {c: v for c, v in self._headers.items() if c[1] == key[1]}
+            self._headers[key] = torch.cat([torch.full((1,), float(v), device=device)
+                                            for v in (MAGIC, self.table_version, r, n, m)])
+        return torch.cat([self._headers[key], torch.full((1,), float(k), device=device)])
+
     def _pack(self, grad: torch.Tensor, k: int) -> torch.Tensor:
         n, m = grad.numel() // grad.shape[-1], grad.shape[-1]
         p_hat, q = self._sender(k).compress(grad.detach())
         r = p_hat.shape[1]
-        if not bool(torch.isfinite(p_hat).all()):
-            self.stats.events.append(f"non-finite activation gradient in backward message {k} "
-                                     f"of stage {self.stage}: sent as such, residual kept")
-        header = torch.tensor([MAGIC, self.table_version, r, n, m, k], dtype=torch.float32,
-                              device=grad.device)
-        return torch.cat([header, p_hat.reshape(-1), q.reshape(-1)])
+        self.stats.add_nonfinite_flag(k, torch.isfinite(p_hat).all().logical_not())
+        return torch.cat([self._header(r, n, m, k, grad.device), p_hat.reshape(-1),
+                          q.reshape(-1)])
 
     def _unpack_into(self, buf: torch.Tensor, out: torch.Tensor, k: int, r: int) -> None:
+        """Rebuild ``P^ Qᵀ`` into ``out``, all NaN where the header is not the expected one
+        (compared on the device; :meth:`check_messages` raises at the step's end)."""
         n, m = out.numel() // out.shape[-1], out.shape[-1]
-        got = [int(v) if math.isfinite(v) else -1 for v in buf[:HEADER].tolist()]
-        want = [int(MAGIC), self.table_version, r, n, m, k]
-        if got != want:
-            raise PipelineRankMismatch(
-                f"stage {self.stage} expected backward message {k} from stage "
-                f"{(self.stage + 1) % self.pp_size} as (version, rank, n, m) = "
-                f"{tuple(want[1:5])}, got {tuple(got[1:5])} as message {got[5]}: the "
-                f"pipeline rank tables disagree")
+        mismatch = (buf[:HEADER] != self._header(r, n, m, k, buf.device)).any()  # NaN too
+        self._received.append((k, [int(MAGIC), self.table_version, r, n, m, k],
+                               buf[:HEADER].clone()))
         p_hat = buf[HEADER:HEADER + n * r].view(n, r)
-        q = buf[HEADER + n * r:].view(m, r)
+        q = buf[HEADER + n * r:].view(m, r).masked_fill(mismatch, float("nan"))
         with torch.no_grad():
             out.copy_(decompress(p_hat, q, out.shape, out.dtype))
+
+    def check_messages(self) -> None:
+        """Raise :class:`PipelineRankMismatch` for the step's first received message whose
+        header was not the expected one (reads the headers: once per step, after its work)."""
+        received, self._received = self._received, []
+        if not received:
+            return
+        headers = torch.stack([header for _, _, header in received]).tolist()
+        for (k, want, _), values in zip(received, headers):
+            if values != want:  # a NaN is unequal to everything
+                got = [int(v) if math.isfinite(v) else -1 for v in values]
+                raise PipelineRankMismatch(
+                    f"stage {self.stage} expected backward message {k} from stage "
+                    f"{(self.stage + 1) % self.pp_size} as (version, rank, n, m) = "
+                    f"{tuple(want[1:5])}, got {tuple(got[1:5])} as message {got[5]}: "
+                    f"the pipeline rank tables disagree")
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
                      tensor_shape, wait_on_reqs=True):

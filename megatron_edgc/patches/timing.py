@@ -37,6 +37,17 @@ class IntervalClock:
             return event
         return time.perf_counter()
 
+    def seconds_between(self, start, end) -> float:
+        """Seconds from stamp ``start`` to stamp ``end`` (GPU: once both are complete)."""
+        if self.use_cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def wait(self) -> None:
+        """Until every stamp taken so far is complete (GPU: a device synchronize)."""
+        if self.use_cuda:
+            torch.cuda.synchronize()
+
     def ms(self, stamp) -> float:
         """Milliseconds from the iteration start to ``stamp`` (GPU: after a synchronize)."""
         if self.use_cuda:

@@ -135,7 +135,15 @@ class EdgcRuntime:
 
     def end_step(self, iteration: int, record: dict) -> dict:
         """After the optimizer step: adds the telemetry record (one job-wide all-reduce) and
-        lets the controller decide the next ranks; returns ``record``."""
+        lets the controller decide the next ranks; returns ``record``.
+
+        The step's device-side records (CUDA event times, non-finite flags, pipeline
+        message headers) are read here, once, after the step's work."""
+        if self.p2p is not None:
+            self.p2p.check_messages()   # a disagreeing pipeline message: raise here
+            self.p2p.stats.resolve()
+        if self.dp_compression is not None:
+            self.dp_compression.stats.resolve()
         record.update(self._dp_sync_record())
         if self.edgc is not None:
             record.update(self.edgc.after_step(iteration, record,

@@ -1,0 +1,321 @@
+"""No host sync in a compressed step, and DP-sync times from the device (issue 26).
+
+The counter (``tests/host_sync.py``) sees, on the CPU, every call that would make the host
+wait for a GPU. A compressed step makes none: of one bucket (fp32 and bf16 factors, with
+and without the spectrum, finite and not), of the pipeline message path, of the patched
+DP sync in one process, and of a real 4-process megatron-core job with
+``overlap_grad_reduce``. The DP sync's times are CUDA events resolved once per step; here
+a fake event clock stands in for the GPU.
+"""
+
+import collections
+import math
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import LAYOUTS, read_jsonl, run_job
+from host_sync import HostSyncCounter
+from megatron_edgc.compression.activation import ActivationGradSender
+from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.patches import ddp
+from megatron_edgc.patches.p2p import CompressingP2PCommunicator, PPSendStats
+from megatron_edgc.patches.timing import IntervalClock
+
+# ---------------------------------------------------------------------- the counter
+
+_X = torch.randn(4)
+
+#: One host sync each (on a GPU), and the counter's name for it.
+SYNCS = {
+    "item": (lambda: _X[0].item(), "item"),
+    "bool": (lambda: bool(_X[0] > 0), "__bool__"),
+    "if": (lambda: 1 if _X[0] > 0 else 0, "__bool__"),
+    "tolist": (lambda: _X.tolist(), "tolist"),
+    "cpu": (lambda: _X.cpu(), "cpu"),
+    "float": (lambda: float(_X[0]), "__float__"),
+    "int": (lambda: int(_X[0]), "__int__"),
+    "index": (lambda: [0, 1][_X.long()[0].clamp(0, 1)], "__index__"),
+    "numpy": (lambda: _X.numpy(), "numpy"),
+    "format": (lambda: f"{_X[0]:.3f}", "__format__"),
+    "nonzero": (lambda: _X.nonzero(), "nonzero"),
+    "bool mask": (lambda: _X[_X > 0], "__getitem__"),
+    "where(cond)": (lambda: torch.where(_X > 0), "where"),
+    "host data to a device": (lambda: torch.tensor([1.0], device=_X.device), "tensor"),
+    "synchronize": (lambda: torch.cuda.synchronize(), "torch.cuda.synchronize"),
+}
+
+#: Device-side idioms the compressed step uses instead: no sync.
+NO_SYNCS = {
+    "flag into a buffer": lambda: _X.clone().__setitem__(-1, (_X > 0).any()),
+    "select": lambda: torch.where(_X > 0, _X, 0.0),
+    "masked fill": lambda: _X.masked_fill(_X[:1] > 0, float("nan")),
+    "filled on the device": lambda: torch.full((1,), 3.0, device=_X.device),
+    "host data on the host": lambda: torch.tensor([1.0]),
+    "same-device copy": lambda: _X.to(_X.device),
+}
+
+
+@pytest.mark.parametrize("case", SYNCS)
+def test_the_counter_sees_each_kind_of_host_sync(case, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    fn, name = SYNCS[case]
+    with HostSyncCounter() as syncs:
+        fn()
+    assert [call.split(".")[-1] if call != "torch.cuda.synchronize" else call
+            for call, _ in syncs.calls] == [name]
+    assert syncs.calls[0][1].startswith("tests/test_host_sync.py:")
+
+
+@pytest.mark.parametrize("case", NO_SYNCS)
+def test_the_counter_passes_device_side_idioms(case):
+    with HostSyncCounter() as syncs:
+        NO_SYNCS[case]()
+    assert syncs.calls == []
+
+
+# ---------------------------------------------------------------------- one bucket
+
+ENTRIES = [("w1", (64, 48)), ("w2", (64, 48)), ("w3", (48, 96)), ("b", (1, 48))]
+
+
+def one_step(comp, grads):
+    bufs, step = comp.start(grads)
+    comp.finish(step, comp.middle(step, [b.clone() for b in bufs]))
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spectrum", [False, True])
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_compressed_bucket_step_makes_no_host_sync(factor_dtype, spectrum, finite):
+    comp = BucketCompressor(ENTRIES, 4, seed=0, factor_dtype=factor_dtype)
+    comp.track_spectrum = spectrum
+    gen = torch.Generator().manual_seed(0)
+    one_step(comp, [torch.randn(*s, generator=gen) for _, s in ENTRIES])   # Q and E exist
+    grads = [torch.randn(*s, generator=gen) for _, s in ENTRIES]
+    if not finite:
+        grads[0][1, 2] = float("inf")
+    with HostSyncCounter() as syncs:
+        one_step(comp, grads)
+    assert syncs.calls == []
+    assert torch.isfinite(grads[0]).all() == finite
+
+
+def test_pipeline_send_and_receive_make_no_host_sync():
+    shape = (32, 2, 48)
+    sender = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    sender.pp_size, sender.stage, sender.seed, sender.num_chunks = 2, 1, 0, 1
+    sender._send_chunk, sender.senders, sender.rank, sender.table_version = None, {}, 4, 0
+    sender._headers, sender.stats = {}, PPSendStats(stage=1)
+    receiver = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)
+    receiver.pp_size, receiver.stage, receiver.table_version = 2, 0, 0
+    receiver._headers, receiver._received = {}, []
+    out = torch.empty(shape)
+    receiver._unpack_into(sender._pack(torch.randn(shape), k=0), out, k=0, r=4)  # caches
+    bad = torch.randn(shape)
+    bad[0, 0, 0] = float("nan")
+    with HostSyncCounter() as syncs:
+        for k, grad in enumerate([torch.randn(shape), bad, torch.randn(shape)], start=1):
+            receiver._unpack_into(sender._pack(grad, k), out, k, r=4)
+        ActivationGradSender(4).compress(torch.randn(shape))  # a fresh sender too
+    assert syncs.calls == []
+    receiver.check_messages()                                 # the once-per-step reads
+    sender.stats.resolve()
+    assert len(sender.stats.events) == 1
+
+
+# ---------------------------------------------------------------------- the patched DP sync
+
+#: A bucket group's parameters: two compressed shapes and a dense bias.
+SHAPES = {"w1": (64, 48), "w2": (64, 48), "w3": (48, 96), "b": (48,)}
+
+
+def fake_ddp_chunk(n_buckets: int = 2):
+    """A DDP chunk as the patch sees it: one bucket group of ``n_buckets`` buckets, each
+    holding every parameter of :data:`SHAPES` as views of its flat ``grad_data``."""
+    module = torch.nn.Module()
+    buckets = []
+    for b in range(n_buckets):
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES.values()]
+        for name, p in zip(SHAPES, params):
+            module.register_parameter(f"{name}_{b}", p)
+        grad_data = torch.zeros(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            p.main_grad = grad_data[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        buckets.append(types.SimpleNamespace(grad_data=grad_data, params_list=params,
+                                             gradient_scaling_factor=1.0))
+    group = types.SimpleNamespace(
+        buckets=buckets, grad_reduce_handle=None, param_gather_dispatched=False,
+        ddp_config=types.SimpleNamespace(overlap_grad_reduce=True, average_in_collective=False),
+        start_grad_sync=lambda *a, **k: None, finish_grad_sync=lambda *a, **k: None)
+    return types.SimpleNamespace(module=module, bucket_groups=[group],
+                                 expert_parallel_bucket_groups=[])
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def compressed_dp_step(compression, chunk, gen, nan_in=None):
+    """Fill the gradients, then start and finish the group's sync as megatron-core would
+    (start inside backward under overlap_grad_reduce, finish at the end)."""
+    group = chunk.bucket_groups[0]
+    for b, bucket in enumerate(group.buckets):
+        bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
+        if b == nan_in:
+            bucket.grad_data[7] = float("nan")
+    group.start_grad_sync()
+    group.finish_grad_sync()
+
+
+def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
+    chunk = fake_ddp_chunk()
+    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    compression.set_iteration(0)
+    compressed_dp_step(compression, chunk, gen)                      # Q and E exist
+    residuals = {k: [g.residual.clone() for g in c.groups.values()]
+                 for k, c in compression.compressors.items()}
+    compression.set_iteration(1)
+    with HostSyncCounter() as syncs:
+        compressed_dp_step(compression, chunk, gen, nan_in=1)
+    assert syncs.calls == []
+    # Resolved once per step: bucket 1's NaN is counted, its EF kept, its gradient NaN.
+    assert compression.stats.nonfinite_buckets == 0 and compression.stats.events == []
+    compression.stats.resolve()
+    key = "chunk0.group0.bucket1"
+    assert compression.stats.nonfinite_buckets == 1
+    assert compression.stats.events == [f"non-finite gradient in {key}: left non-finite "
+                                        f"for the optimizer, error feedback untouched"]
+    for before, g in zip(residuals[key], compression.compressors[key].groups.values()):
+        assert torch.equal(g.residual, before)
+    bad, good = chunk.bucket_groups[0].buckets[1], chunk.bucket_groups[0].buckets[0]
+    assert torch.isnan(bad.params_list[0].main_grad).all()
+    assert torch.isfinite(good.grad_data).all()
+    assert compression.stats.compress_s > 0 and compression.stats.comm_s > 0
+
+
+class FakeDeviceClock:
+    """Stands in for a GPU's timeline: ``now_ms`` advances only where the test says the
+    device works; :class:`FakeEvent` records it, as ``torch.cuda.Event`` would."""
+
+    def __init__(self):
+        self.now_ms = 0.0
+        self.synchronized = 0  # device synchronizes
+        self.read = 0          # event times read (allowed only after a synchronize)
+
+    def event_class(self):
+        clock = self
+
+        class FakeEvent:
+            def __init__(self, enable_timing=False, **kwargs):
+                assert enable_timing
+                self.at_ms = None
+
+            def record(self, stream=None):
+                self.at_ms = clock.now_ms
+
+            def elapsed_time(self, end):
+                assert clock.synchronized, "event time read before the step's synchronize"
+                clock.read += 1
+                return end.at_ms - self.at_ms
+
+            def synchronize(self):
+                clock.synchronized += 1
+
+        return FakeEvent
+
+    def synchronize(self, *args, **kwargs):
+        self.synchronized += 1
+
+
+#: Device milliseconds the fake GPU spends in each part of a bucket's sync.
+DEVICE_MS = {"start": 1.0, "middle": 2.0, "finish": 4.0, "collective": 10.0}
+
+
+def test_dp_sync_times_are_cuda_events_resolved_once_per_step(one_process_group,
+                                                              monkeypatch):
+    """With CUDA events the DP sync's times are the device's: compression math between the
+    events around start/middle/finish, communication between the events around each
+    collective's wait (on the stream that sees it complete) — read once, in resolve()."""
+    device = FakeDeviceClock()
+    monkeypatch.setattr(torch.cuda, "Event", device.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
+    for name in ("start", "middle", "finish"):
+        original = getattr(BucketCompressor, name)
+
+        def timed(self, *args, _original=original, _ms=DEVICE_MS[name], **kwargs):
+            out = _original(self, *args, **kwargs)
+            device.now_ms += _ms
+            return out
+
+        monkeypatch.setattr(BucketCompressor, name, timed)
+    all_reduce = dist.all_reduce
+
+    class SlowWork:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            self.work.wait()
+            device.now_ms += DEVICE_MS["collective"]
+
+    def slow_all_reduce(*args, async_op=False, **kwargs):
+        work = all_reduce(*args, async_op=True, **kwargs)
+        if async_op:
+            return SlowWork(work)
+        SlowWork(work).wait()
+
+    monkeypatch.setattr(dist, "all_reduce", slow_all_reduce)
+
+    chunk = fake_ddp_chunk(n_buckets=2)
+    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    compression.stats.clock = IntervalClock(use_cuda=True)  # as on a GPU
+    gen = torch.Generator().manual_seed(2)
+    compression.set_iteration(0)
+    with HostSyncCounter() as syncs:
+        compressed_dp_step(compression, chunk, gen)
+    assert syncs.calls == [] and device.synchronized == 0 and device.read == 0
+    stats = compression.stats
+    assert stats.compress_s == 0.0 and stats.comm_s == 0.0  # nothing read yet
+    stats.resolve()
+    assert device.synchronized == 1
+    # Per bucket: start + middle + finish of math; one [P | dense | flag] and one Q
+    # all-reduce waited on.
+    per_bucket_ms = DEVICE_MS["start"] + DEVICE_MS["middle"] + DEVICE_MS["finish"]
+    assert stats.compress_s * 1e3 == pytest.approx(2 * per_bucket_ms)
+    assert stats.comm_s * 1e3 == pytest.approx(2 * 2 * DEVICE_MS["collective"])
+    reads = device.read
+    stats.resolve()                                       # a second call adds nothing
+    assert device.read == reads and stats.compress_s * 1e3 == pytest.approx(14.0)
+
+
+# ---------------------------------------------------------------------- a real job
+
+
+def test_a_real_compressed_dp_and_pp_step_makes_no_host_sync(small_model_argv, tmp_path):
+    """4 gloo processes, megatron-core DDP with overlap_grad_reduce, DP and PP compression
+    from iteration 1: the patched bucket-group syncs and the compressed pipeline messages
+    of every compressed iteration make no host sync on any rank."""
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(["--count-host-syncs"] + small_model_argv + LAYOUTS["tp1-pp2-dp2-overlap"]
+                      + ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-start-iter", "1",
+                         "--edgc-pp-compression", "static", "--edgc-pp-rank", "4",
+                         "--train-iters", "3", "--metrics-file", metrics],
+                      str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    assert [r["dp_bytes_sent"] < r["dp_bytes_dense"] for r in records] == [False, True, True]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    syncs = collections.Counter((r["pp"], r["dp"], site, call, where) for r in results
+                                for it, site, call, where in r["host_syncs"] if it >= 1)
+    assert not syncs, "(pp, dp, site, call, where) over 2 iterations:\n" + "\n".join(
+        f"{n} x {key}" for key, n in sorted(syncs.items()))
