@@ -86,6 +86,7 @@ class Checklist:
     def __init__(self, args):
         self.args = args
         self.cuda = args.device == "cuda"
+        self.bf16 = self.cuda or args.bf16  # the CUDA runs' precision; --bf16 tries it on CPU
         self.out = os.path.abspath(args.out)
         self.logs = os.path.join(self.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
@@ -181,7 +182,7 @@ class Checklist:
         name = f"e2e-{config}-{mode}"
         ck = os.path.join(self.work, name + "-ckpt")
         base = ["--config", f"configs/{config}.yaml", *E2E_FLAGS, *MODE_FLAGS[mode],
-                *(["--bf16"] if self.cuda else []),
+                *(["--bf16"] if self.bf16 else []),
                 *(["--distributed-backend", "nccl"] if self.cuda else [])]
         half = E2E_ITERS // 2
         full = self._train(name, base + ["--save", ck, "--save-interval", str(half)],
@@ -234,7 +235,7 @@ class Checklist:
         cfg = ["--config", "configs/tiny-cpu.yaml", "--train-iters", "20", "--eval-interval",
                "20", "--eval-iters", "2", "--log-interval", "10", "--lr-warmup-iters", "5",
                "--distributed-backend", "gloo", *flags]
-        if self.cuda:
+        if self.bf16:
             cfg += ["--bf16"]
         res = self._train(f"gloo4-{name}", cfg, self.args.run_timeout)
         recs = res["records"]
@@ -386,6 +387,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only these checks (install, data, unit, e2e, gloo4, kernels, sync)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--bf16", action="store_true",
+                    help="train in bf16 on CPU too (on CUDA it always does)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
     ap.add_argument("--sync-probe", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

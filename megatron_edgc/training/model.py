@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 
 def layer_spec():
@@ -101,6 +102,10 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
         )
         if on_gpu:
             model.cuda(torch.cuda.current_device())
+        if bf16:
+            # As Megatron-LM's get_model: every parameter in bf16 (the local spec's
+            # torch LayerNorm included), first-stage inputs cast in, losses cast out.
+            model = Float16Module(tconf, model)
         chunks.append(model)
 
     ddp_config = DistributedDataParallelConfig(
