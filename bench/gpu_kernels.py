@@ -21,6 +21,9 @@ elements and the Gaussian estimate) and the memory of the error-feedback state (
 residual and warm-start Q kept between steps) and the peak of one step.
 
 ``--scale k`` divides hidden and ffn sizes by ``k`` (CPU dry runs; the report says so).
+``--report FILE.json`` writes the BENCHMARKS.md section from a JSON of a GPU run (the lent
+machine returns only files): ``bench/results/gpu_kernels_h100.json`` is the H100 one, and
+``bench/model.py`` reads it.
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ def time_compressor(mats, rank: int, factor_dtype: str, device, timer, repeats, 
         restore()
     out = {k: statistics.median(v) for k, v in phase_ms.items()}
     out["total"] = sum(out.values())
+    totals = [sum(step) for step in zip(*phase_ms.values())]  # the repetitions' spread
+    out.update(total_min=min(totals), total_max=max(totals))
     first, second = comp.collective_bytes()
     out.update(memory, ef_state_expected_bytes=ef_expected, wire_bytes=first + second,
                dense_bytes=comp.dense_numel() * 4,
@@ -180,6 +185,60 @@ def time_entropy(mats, rest: int, device, timer, repeats, warmup,
             "per_iteration_ms": ms * iter_sample_rate}
 
 
+def render(report: dict, json_path: str) -> str:
+    """The BENCHMARKS.md body of a run's JSON: per config and factor dtype, the phases and
+    the QR alone (ms), the error-feedback memory, and the entropy sampler's cost."""
+    lines = ["| shard (config) | factors | rank | start | middle (QR) | finish | total ms "
+             "| wire / dense bytes | EF state MiB | step peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for key, entry in report["configs"].items():
+        lay = entry["layout"]
+        shard = f"TP{lay['tp']}·PP{lay['pp']} stage 0 ({key})"
+        for row in entry["runs"]:
+            qr = row.get("ops", {}).get("qr")
+            total = f"**{row['total']:.2f}**" + (
+                f" ({row['total_min']:.2f}–{row['total_max']:.2f})" if "total_min" in row else "")
+            mem = (f"{row['ef_state_bytes'] / 2**20:.0f} | {row['step_peak_bytes'] / 2**20:.0f}"
+                   if "ef_state_bytes" in row else "– | –")
+            lines.append(
+                f"| {shard} | {row['factor_dtype']} | {row['rank']} | {row['start']:.2f} | "
+                f"{row['middle']:.2f} ({qr:.2f}) | {row['finish']:.2f} | {total} | "
+                f"{100 * row['wire_bytes'] / row['dense_bytes']:.2f} % | {mem} |"
+                if qr is not None else
+                f"| {shard} | {row['factor_dtype']} | {row['rank']} | {row['start']:.2f} | "
+                f"{row['middle']:.2f} | {row['finish']:.2f} | {total} | "
+                f"{100 * row['wire_bytes'] / row['dense_bytes']:.2f} % | {mem} |")
+        ent = entry["entropy"]
+        notes.append(f"* {key}: entropy sample (GDS, β = {ent['grad_sample_rate']}, one "
+                     f"iteration in {round(1 / ent['iter_sample_rate'])}) "
+                     f"{ent['measured_iteration_ms']:.2f} ms per sampled iteration, "
+                     f"{ent['per_iteration_ms']:.3f} ms per iteration on average "
+                     f"({ent['numel'] / 1e6:.0f} M elements).")
+    scale = report.get("scale", 1)
+    head = (f"Device **{report['device']}**, torch {report['torch']}, measured "
+            f"{report['date']}; median of {report['repeats']} steps (CUDA events; the "
+            f"total's min–max where recorded), one DP "
+            f"rank's math (no collectives), the largest shard's matrices as one bucket, "
+            f"batched by shape as the code does. TF32 off (the trainer's fp32 math)."
+            + (f" **Dry run: hidden sizes divided by {scale}.**" if scale != 1 else "")
+            + f" Raw figures: `{os.path.relpath(json_path, ROOT)}`.")
+    return head + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes) + \
+        "\n\n<!-- notes -->\n"
+
+
+def write_report(json_path: str) -> None:
+    from bench.report import write_section
+
+    with open(json_path) as fh:
+        report = json.load(fh)
+    write_section("gpu_kernels", "GPU kernels: PowerSGD compress/decompress on the paper "
+                  "shards", "python bench/gpu_kernels.py --out "
+                  f"{os.path.relpath(json_path, ROOT)}", render(report, json_path),
+                  stamp=f"measured {report['date']} on {report['device']}, "
+                        f"torch {report['torch']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,7 +250,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-ops", action="store_true", help="skip the per-kernel breakdown")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="only write the BENCHMARKS.md section of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.report:
+        write_report(args.report)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # what the trainer's fp32 math does
@@ -228,6 +292,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
+        if device.type == "cuda" and args.scale == 1:
+            write_report(args.out)
     return 0
 
 

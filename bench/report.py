@@ -36,7 +36,11 @@ def machine() -> str:
             f"torch {torch.__version__}, megatron-core {mcore}")
 
 
-def write_section(name: str, title: str, command: str, body: str) -> None:
+def write_section(name: str, title: str, command: str, body: str,
+                  stamp: str | None = None) -> None:
+    """Replace (or append) the section ``name`` of BENCHMARKS.md. ``stamp`` says when and
+    where the figures were measured when that was not here and now (a lent GPU's JSON
+    rendered on this machine); by default the current date and this machine."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     text = open(BENCHMARKS).read() if os.path.exists(BENCHMARKS) else HEADER
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
@@ -48,8 +52,10 @@ def write_section(name: str, title: str, command: str, body: str) -> None:
         if old else None
     body = body.replace("<!-- notes -->", f"{n_start}{notes.group(1) if notes else chr(10)}"
                                           f"{n_end}")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"{start}\n## {title}\n\n`{command}` — {stamp}; {machine()}\n\n"
+    if stamp is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") \
+            + "; " + machine()
+    section = (f"{start}\n## {title}\n\n`{command}` — {stamp}\n\n"
                f"{body.strip()}\n{end}")
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else \
         text.rstrip() + "\n\n" + section + "\n"

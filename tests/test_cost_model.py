@@ -43,3 +43,50 @@ def test_dense_schedule_saves_nothing_and_rank_saves_bytes():
     import dataclasses
     slow = predict(dataclasses.replace(cluster, dp_bandwidth_gbit=b), [(None, 1.0)])
     assert slow["sync_share_dense"] == pytest.approx(0.35, rel=1e-6)
+
+
+def _kernels(totals: dict, entropy_ms: float = 0.0) -> dict:
+    runs = [{"rank": r, "factor_dtype": "fp32", "total": t} for r, t in totals.items()]
+    entry = {"runs": runs, "entropy": {"per_iteration_ms": entropy_ms}}
+    return {"configs": {key: entry for key in CLUSTERS}}
+
+
+def test_kernel_time_interpolates_between_measured_ranks():
+    from bench.model import kernel_s
+
+    k = _kernels({16: 10.0, 32: 20.0, 64: 60.0})
+    key = "gpt2-2.5b-v100x32"
+    assert kernel_s(k, key, 16) == pytest.approx(0.010)
+    assert kernel_s(k, key, 24) == pytest.approx(0.015)
+    assert kernel_s(k, key, 48) == pytest.approx(0.040)
+    assert kernel_s(k, key, 8) == pytest.approx(0.010)    # held at the ends
+    assert kernel_s(k, key, 128) == pytest.approx(0.060)
+
+
+def test_measured_kernels_add_to_the_compressed_sync():
+    cluster = CLUSTERS["gpt2-12.1b-h100x64"]
+    schedule = [(None, 0.5), (32, 0.5)]
+    bare = predict(cluster, schedule)
+    k = _kernels({16: 10.0, 32: 20.0, 64: 60.0}, entropy_ms=1.0)
+    r = predict(cluster, schedule, k)
+    # half the iterations pay 20 ms of math, every iteration 1 ms of entropy sampling
+    assert r["mean_kernel_s"] == pytest.approx(0.5 * 0.020 + 0.001)
+    assert r["mean_sync_s"] == pytest.approx(bare["mean_sync_s"])
+    assert 1 - r["comm_reduction_kernels"] == pytest.approx(
+        (bare["mean_sync_s"] + r["mean_kernel_s"]) / bare["dense_sync_s"])
+    # at the reported link the schedule's sync plus its kernels equals dense (to the α terms)
+    import dataclasses
+    at = predict(dataclasses.replace(cluster, dp_bandwidth_gbit=r["pays_below_gbit"]),
+                 schedule, k)
+    assert at["mean_sync_s"] + at["mean_kernel_s"] == pytest.approx(at["dense_sync_s"], rel=0.02)
+
+
+def test_the_committed_h100_kernels_load_for_both_setups():
+    from bench.model import load_kernels
+
+    k = load_kernels()
+    assert "H100" in k["device"]
+    for key, cluster in CLUSTERS.items():
+        r = predict(cluster, [(64, 0.5), (16, 0.5)], k)
+        assert 0.005 < r["mean_kernel_s"] < 0.2
+        assert r["comm_reduction_kernels"] < r["comm_reduction"]
