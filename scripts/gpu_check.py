@@ -377,6 +377,41 @@ def sync_probe(path: str, device: str) -> int:
     return 0
 
 
+def failure_cause(check: dict) -> str:
+    """The last error line of a failed check's output tail."""
+    lines = [ln.strip() for ln in (check.get("tail") or "").splitlines()
+             if re.search(r"(Error|error)\b.*:", ln)]
+    return lines[-1].removeprefix("[rank0]: ")[:160] if lines else str(check.get("summary"))
+
+
+def write_benchmarks(reports: list) -> None:
+    """The BENCHMARKS.md section "GPU validation" from the ``gpu_report.json`` of each run
+    on a lent device (committed under ``bench/results/gpu/``), oldest first."""
+    sys.path.insert(0, ROOT)
+    from bench.report import write_section
+
+    parts, stamps = [], []
+    for path in reports:
+        with open(path) as fh:
+            rep = json.load(fh)
+        env = rep["environment"]
+        stamps.append(f"{env.get('device')} {env.get('date')}")
+        rows = ["| check | result | s | summary or cause |", "|---|---|---|---|"]
+        for c in rep["checks"]:
+            res = {True: "pass", False: "**FAIL**", None: "skip"}[c["ok"]]
+            text = c.get("summary", "") if c["ok"] is not False else failure_cause(c)
+            rows.append(f"| {c['check']} | {res} | {c['seconds']:.0f} | "
+                        f"{str(text).replace('|', '/')} |")
+        parts.append(f"**{os.path.relpath(path, ROOT)}**: {env.get('device')}, "
+                     f"{env.get('date')}; Python {env.get('python')}, torch {env.get('torch')}, "
+                     f"CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, megatron-core "
+                     f"{env.get('megatron_core')}\n\n" + "\n".join(rows))
+    write_section("gpu_check", "GPU validation: the checklist on a lent device",
+                  "python scripts/gpu_check.py --out DIR  (then --report DIR/gpu_report.json "
+                  "here)", "\n\n".join(parts) + "\n\n<!-- notes -->\n",
+                  stamp="runs of " + "; ".join(stamps))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -390,8 +425,13 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 on CPU too (on CUDA it always does)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                    help="only write BENCHMARKS.md's GPU section from these gpu_report.json")
     ap.add_argument("--sync-probe", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        write_benchmarks(args.report)
+        return 0
     if args.sync_probe:
         return sync_probe(args.sync_probe, args.device)
     if args.device == "cuda":
