@@ -77,8 +77,12 @@ def plan(testbed: str, seeds: int) -> list:
     verdict."""
     tb = TESTBEDS[testbed]
     r_max = tb["r_max"]
-    static = ["--edgc-mode", "static", "--edgc-start-iter", str(WARMUP_END)]
-    edgc = tb.get("edgc", EDGC_FLAGS) + ["--edgc-rank-max", str(r_max)]
+    # The plane's runs send fp32 factors (recorded before bf16 became the default); the
+    # bf16 runs below say so explicitly.
+    static = ["--edgc-mode", "static", "--edgc-start-iter", str(WARMUP_END),
+              "--edgc-factor-dtype", "fp32"]
+    edgc = tb.get("edgc", EDGC_FLAGS) + ["--edgc-rank-max", str(r_max),
+                                         "--edgc-factor-dtype", "fp32"]
     budget50 = edgc + ["--edgc-controller", "budget", "--edgc-byte-budget", "0.5"]
     budget50_lr = budget50 + ["--edgc-budget-schedule", "lr"]
     seeded = tb["seeded_static"]

@@ -65,6 +65,9 @@ def main() -> int:
                         "params": params, "summary": summary, "host_syncs": syncs,
                         "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
                                          for g in c.bucket_groups),
+                        "bucket_shapes": [[tuple(p.shape) for p in b.params_list]
+                                          for c in trainer.bundle.chunks
+                                          for g in c.bucket_groups for b in g.buckets],
                         "compression": trainer.dp_compression.state_dict()
                         if trainer.dp_compression is not None else None,
                         "controller": trainer.edgc.controller.state_dict()

@@ -13,18 +13,23 @@ from megatron_edgc.model_shapes import stage_param_shapes
 RANK = 4
 
 
-def expected_bytes(params: dict, n_buckets: int, rank: int, factor_bytes: int = 4) -> int:
-    """From the shapes: (n+m) r factor elements per compressed matrix at ``factor_bytes``
-    each, the rest dense in fp32, and a flag per bucket (fp32: with bf16 factors it rides
-    with the dense rest, which every bucket of these models has)."""
-    factors, dense = 0, 0
-    for tensor in params.values():
-        n, m = matrix_shape(tensor.shape)
-        if n > 1 and is_compressible(n, m, rank, 2.0):
-            factors += (n + m) * rank
-        else:
-            dense += tensor.numel()
-    return factor_bytes * factors + 4 * (dense + n_buckets)
+def expected_bytes(result: dict, rank: int, factor_bytes: int = 2) -> int:
+    """From the shapes of each DP bucket of one rank's ``result``: (n+m) r factor elements
+    per compressed matrix at ``factor_bytes`` each (bf16, the default: 2), the rest dense in
+    fp32, and one flag per bucket: fp32, or with bf16 factors in bf16 when the bucket has no
+    dense rest (it then rides with P)."""
+    total = 0
+    for shapes in result["bucket_shapes"]:
+        factors, dense = 0, 0
+        for shape in shapes:
+            n, m = matrix_shape(shape)
+            if n > 1 and is_compressible(n, m, rank, 2.0):
+                factors += (n + m) * rank
+            else:
+                dense += math.prod(shape)
+        flag = 4 if dense or factor_bytes == 4 else factor_bytes
+        total += factor_bytes * factors + 4 * dense + flag
+    return total
 
 
 #: Overlapped reduce and the distributed optimizer together (the version-compat run's DP case).
@@ -32,18 +37,19 @@ DP_LAYOUTS = {**LAYOUTS, "tp1-pp2-dp2-overlap-distopt": LAYOUTS["tp1-pp2-dp2-ove
               + ["--use-distributed-optimizer"]}
 
 
-#: The overlapped layout sends P and Q in bf16 (``--edgc-factor-dtype bf16``): factor
-#: bytes halve, the dense rest and the flag stay fp32, replicas stay bit-identical.
-BF16_LAYOUT = "tp1-pp2-dp2-overlap"
+#: P and Q travel in bf16 by default: factor bytes are half of fp32's, the dense rest and
+#: the flag stay fp32, replicas stay bit-identical. The overlapped layout sends fp32
+#: factors (``--edgc-factor-dtype fp32``).
+FP32_LAYOUT = "tp1-pp2-dp2-overlap"
 
 
 @pytest.mark.parametrize("layout", [k for k in DP_LAYOUTS if "interleaved" not in k])
 def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
-    bf16 = layout == BF16_LAYOUT
+    fp32 = layout == FP32_LAYOUT
     results = run_job(small_model_argv + DP_LAYOUTS[layout] + [
         "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics]
-        + (["--edgc-factor-dtype", "bf16"] if bf16 else []), str(tmp_path / "out"))
+        + (["--edgc-factor-dtype", "fp32"] if fp32 else []), str(tmp_path / "out"))
     records = read_jsonl(metrics)
     losses = [r["loss"] for r in records]
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
@@ -51,12 +57,11 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
         assert assert_dp_replicas_identical(results) > 0
     # The logging rank is the last stage, DP rank 0, TP rank 0.
     logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
-    factor_bytes = 2 if bf16 else 4
-    want = expected_bytes(logger["params"], logger["n_buckets"], RANK, factor_bytes)
-    want_job = sum(expected_bytes(r["params"], r["n_buckets"], RANK, factor_bytes)
-                   for r in results)
-    if bf16:
-        assert want < expected_bytes(logger["params"], logger["n_buckets"], RANK)
+    factor_bytes = 4 if fp32 else 2
+    want = expected_bytes(logger, RANK, factor_bytes)
+    want_job = sum(expected_bytes(r, RANK, factor_bytes) for r in results)
+    if not fp32:
+        assert want < expected_bytes(logger, RANK, 4)
     for rec in records:
         assert rec["dp_bytes_sent"] == want
         assert rec["dp_bytes_sent_job"] == want_job
@@ -147,7 +152,7 @@ def test_bypass_sends_dense_when_compression_does_not_pay(small_model_argv, tmp_
     assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] and r["dp_bypassed_buckets"] == 1
                for r in fast)
     logger = next(r for r in runs["slow"][1] if r["pp"] == 1 and r["dp"] == 0)
-    want = expected_bytes(logger["params"], logger["n_buckets"], RANK)
+    want = expected_bytes(logger, RANK)
     for r in slow:
         assert r["dp_bytes_sent"] == want and r["dp_bypassed_buckets"] == 0
         assert r["dp_predicted_saving_ms"] > 1e3 * r["dp_predicted_cost_ms"] > 0

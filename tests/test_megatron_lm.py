@@ -154,7 +154,8 @@ def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
 
 def stage_bytes(rank) -> list:
     """DP bytes one replica of each stage sends at ``rank`` (None: dense), from the shapes:
-    (n+m) r per compressed matrix, the rest dense, one flag per bucket (one bucket)."""
+    (n+m) r bf16 elements per compressed matrix, the rest dense in fp32, one fp32 flag per
+    bucket (one bucket)."""
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
                         max_position_embeddings=64, make_vocab_size_divisible_by=128)
     model.resolve()
@@ -164,12 +165,14 @@ def stage_bytes(rank) -> list:
         if rank is None:
             out.append(4 * sum(n * m for n, m in map(matrix_shape, shapes)))
             continue
-        elements = 1
+        factors, dense = 0, 1
         for shape in shapes:
             n, m = matrix_shape(shape)
-            compressed = n > 1 and is_compressible(n, m, rank, 2.0)
-            elements += (n + m) * rank if compressed else n * m
-        out.append(4 * elements)
+            if n > 1 and is_compressible(n, m, rank, 2.0):
+                factors += (n + m) * rank
+            else:
+                dense += n * m
+        out.append(2 * factors + 4 * dense)  # bf16 factors (the default), fp32 rest and flag
     return out
 
 
