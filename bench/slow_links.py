@@ -92,6 +92,23 @@ def modes(r_max: int, r_min: int, iters: int) -> dict:
     }
 
 
+def mode_id(name: str, r_max: int, r_min: int) -> str:
+    """The rank-free id of a mode name for ``--modes``: ``static r32 overlap`` (r_max 32)
+    -> ``static-rmax-overlap``, ``EDGC`` -> ``edgc``, ``hook r32`` -> ``hook-rmax``."""
+    name = name.replace(f"r{r_max}", "rmax").replace(f"r{r_min}", "rmin")
+    return name.lower().replace(" ", "-")
+
+
+MODE_IDS = ("dense", "static-rmax", "static-rmax-overlap", "static-rmin", "edgc",
+            "edgc-overlap", "hook-rmax")
+
+
+def selected_modes(r_max: int, r_min: int, iters: int, only=None) -> dict:
+    """``modes()`` restricted to the ids in ``only`` (all when None)."""
+    return {name: spec for name, spec in modes(r_max, r_min, iters).items()
+            if only is None or mode_id(name, r_max, r_min) in only}
+
+
 def steady_mean(records, key, skip=3):
     rows = [r for r in records[skip:] if r.get(key) is not None]
     if not rows:
@@ -202,10 +219,12 @@ def spread_cell(vals: list, spec: str, ok=None, scale: float = 1.0, unit: str = 
     return text
 
 
-def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bool]:
-    """Every (config, rate, mode) ``repeats`` times. The modes of one repetition run back to
-    back, repetition after repetition, so a slow drift of the machine spreads over all
-    modes instead of biasing one."""
+def run_all(configs, rates, iters, out_root, reuse, repeats=3,
+            only=None) -> tuple[dict, bool]:
+    """Every (config, rate, mode) ``repeats`` times (the modes whose ids are in ``only``,
+    all when None). The modes of one repetition run back to back, repetition after
+    repetition, so a slow drift of the machine spreads over all modes instead of biasing
+    one."""
     reps: dict = {}
     emulated = True
     port = 29600
@@ -225,7 +244,8 @@ def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bo
             try:
                 for rep in range(repeats):
                     runs = {}
-                    for mname, (script, flags) in modes(r_max, r_min, iters).items():
+                    for mname, (script, flags) in selected_modes(r_max, r_min, iters,
+                                                                 only).items():
                         key = f"{cname}|{rate}|{mname}"
                         if net is None and rate != "none":
                             continue  # modelled from the loopback run below
@@ -242,7 +262,10 @@ def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bo
                             launch=launch if net is not None else None)
                         runs[key] = (records, summary)
                     if runs:
-                        skip = steady_start(runs[f"{cname}|{rate}|EDGC"][0])
+                        edgc = [runs[k][0] for k in (f"{cname}|{rate}|EDGC",
+                                                     f"{cname}|{rate}|EDGC overlap")
+                                if k in runs]
+                        skip = steady_start(edgc[0]) if edgc else 3
                         for k, v in runs.items():
                             reps.setdefault(k, []).append(measure(*v, skip))
             finally:
@@ -252,7 +275,7 @@ def run_all(configs, rates, iters, out_root, reuse, repeats=3) -> tuple[dict, bo
             for rate in rates:
                 if rate == "none":
                     continue
-                for mname in modes(r_max, r_min, iters):
+                for mname in selected_modes(r_max, r_min, iters, only):
                     reps[f"{cname}|{rate}|{mname}"] = [
                         modelled(m, rate) for m in reps[f"{cname}|none|{mname}"]]
     return {k: aggregate(v) for k, v in reps.items()}, emulated
@@ -424,6 +447,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true",
                    help="tiny, 100mbit + unshaped, 16 iters, 1 repetition (a smoke run)")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs' metrics")
+    p.add_argument("--modes", nargs="+", choices=MODE_IDS, default=None,
+                   help="run only these modes and write only OUT/results.json (no plots, "
+                        "no BENCHMARKS.md section), e.g. for bench/sync_free_before_after.py")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "slow_links"))
     args = p.parse_args()
     default_repeats = 1 if args.quick else 3
@@ -435,11 +461,14 @@ def main() -> int:
     if args.repeats < 1:
         p.error(f"--repeats: must be in [1, inf] (got {args.repeats})")
     results, emulated = run_all(args.configs, args.rates, args.train_iters, args.out,
-                                args.reuse, args.repeats)
+                                args.reuse, args.repeats, args.modes)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"emulated": emulated, "iters": args.train_iters, "repeats": args.repeats,
-                   "results": results}, fh,
+                   "modes": args.modes, "results": results}, fh,
                   indent=1)
+    if args.modes is not None:
+        print(f"--modes: {os.path.join(args.out, 'results.json')} only")
+        return 0
     files = plots(results, args.configs, args.rates, args.train_iters, args.out)
     how = ("each rank in its own network namespace, veth links shaped with tbf at the rate "
            "(both directions), gloo over them" if emulated else

@@ -106,3 +106,15 @@ def test_verdicts_hold_per_repetition():
     # overhead per repetition: 100/850, 100/850, 100/600 -> 12, 12, 17 % -> not met
     assert cells[10] == "12 % [12–17] ✗"
     assert cells[3] == "90 % [90–90] ✓"
+
+
+def test_mode_ids_select_modes_whatever_the_ranks():
+    from bench.slow_links import MODE_IDS, mode_id, selected_modes
+
+    for cname, (_, r_max, r_min) in CONFIGS.items():
+        ids = [mode_id(n, r_max, r_min) for n in modes(r_max, r_min, 30)]
+        assert sorted(ids) == sorted(MODE_IDS), cname
+        picked = selected_modes(r_max, r_min, 30, ["dense", "static-rmax-overlap",
+                                                   "edgc-overlap"])
+        assert list(picked) == ["dense", f"static r{r_max} overlap", "EDGC overlap"]
+        assert picked["EDGC overlap"] == modes(r_max, r_min, 30)["EDGC overlap"]
