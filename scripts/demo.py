@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """The main job on the tiny CPU default: dense vs EDGC over a slow link, side by side.
 
-    python scripts/demo.py [--link 120mbit] [--train-iters N] [extra pretrain flags...]
+    python scripts/demo.py [--link 150mbit] [--train-iters N] [extra pretrain flags...]
 
 Compression pays only where the link is slower than the compression math, which loopback
 between local processes never is. So, as root, every rank runs in its own network
 namespace behind a tbf-shaped veth link at ``--link`` (bench/netns.py): the DP all-reduces
-and the pipeline sends really cross a 120 Mbit link. Without root (or with ``--link none``)
+and the pipeline sends really cross a 150 Mbit link. Without root (or with ``--link none``)
 the ranks run over loopback, EDGC's bypass is told the link rate (``--edgc-link-gbps``),
 and the table adds to each run's measured times the alpha-beta all-reduce time of its
 measured DP bytes at that rate, labelled "modelled".
@@ -40,11 +40,13 @@ RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "e
 # Both runs: megatron-core's overlapped DP buckets, as Megatron users train. Each bucket's
 # all-reduce (dense) or P (EDGC) starts during backward as soon as the bucket is ready;
 # 500k-element buckets give the tiny model 4 of them (the losses do not depend on it).
-# 120 iterations at 120 Mbit keep both runs under 5 minutes on 2 cores. The link is slow
-# enough that the DP sync is most of a dense iteration, so that EDGC's gain stands clear
-# of the ~15 % by which the machine's speed drifts between the two runs (at 300 Mbit it
-# was -16 % to +1 % over five runs; 2026-11-23/24). Flags given to the demo come later and
-# win.
+# 120 iterations at 150 Mbit keep both runs under 5 minutes on 2 cores (3 min 48 s). The
+# link is slow enough that the DP sync is most of a dense iteration, so that EDGC's gain
+# stands clear of the ~15 % by which the machine's speed drifts between the two runs (at
+# 300 Mbit it was -16 % to +1 % over five runs, 2026-11-23/24). At 120 Mbit the gain was
+# no larger (0.78x, 0.75x): the tied-embedding all-reduce between the first and the last
+# stage, which EDGC does not compress, grows with it. Flags given to the demo come later
+# and win.
 COMMON = ["--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120"]
 
 
@@ -131,8 +133,14 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
     start = next((r["warmup_end_iter"] for r in reversed(records.get("edgc", []))
                   if r.get("warmup_end_iter") is not None), None)
     if start is not None:
-        print(f"\nafter EDGC's warm-up (iterations {start + 1}-{records['edgc'][-1]['iteration']}"
-              f", both runs):")
+        # The first compressed iteration also measures the link for the bypass (a one-off
+        # probe with its own synchronize, like bench/slow_links.py's steady range): shown,
+        # then left out of the means, in both runs.
+        probe = next(r for r in records["edgc"] if r["iteration"] == start + 1)
+        print(f"\nafter EDGC's warm-up (iterations {start + 2}-{records['edgc'][-1]['iteration']}"
+              f", both runs; iteration {start + 1}, where EDGC's bypass measured the link "
+              f"once, took {probe['iter_ms']:.0f} ms and is left out):")
+        start += 1
         print(f"{'run':<7} {'ms/iter' + tag:>19} {'DP-sync ms' + tag:>22} {'DP MiB/iter':>11}")
         for name, recs in records.items():
             after = [r for r in recs if r["iteration"] > start]
@@ -166,7 +174,7 @@ def main() -> int:
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
     p.add_argument("--report-only", action="store_true",
                    help="print the table and plots of the runs already in --out")
-    p.add_argument("--link", default="120mbit",
+    p.add_argument("--link", default="150mbit",
                    help="link rate of every rank, e.g. 100mbit, 1gbit; 'none': loopback")
     args, extra = p.parse_known_args()
     if args.link != "none":
