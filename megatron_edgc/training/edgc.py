@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_edgc.compression.powersgd import matrix_shape
-from megatron_edgc.controller import ControllerSettings, RankController
-from megatron_edgc.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy, layer_type,
-                                   moments_from_power_sums, power_sums)
-from megatron_edgc.rank_allocation import BudgetRankController, adam_weights, sqrt_lr_scales
-from megatron_edgc.rank_model import RankModel
-from megatron_edgc.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
+from megatron_edgc.control.controller import ControllerSettings, RankController
+from megatron_edgc.control.entropy import (LAYER_TYPES, GradientSampler, estimate_entropy,
+                                           layer_type, moments_from_power_sums, power_sums)
+from megatron_edgc.control.rank_allocation import BudgetRankController, adam_weights, sqrt_lr_scales
+from megatron_edgc.control.rank_model import RankModel
+from megatron_edgc.control.stage_alignment import LinearTimeModel, aligned_ranks, stage_slack
 
 #: Weight of older windows in the DAC least-squares sums (per window).
 DAC_DECAY = 0.5
@@ -117,7 +117,7 @@ class EdgcDriver:
             rank_min=e.rank_min, rank_step=e.rank_step, warmup_eps=e.warmup_eps,
             warmup_windows=e.warmup_windows, warmup_max_iters=e.warmup_max_iters)
         self.budget = e.controller == "budget"
-        if self.budget:  # per-shape ranks from a byte budget (megatron_edgc/rank_allocation.py)
+        if self.budget:  # per-shape ranks from a byte budget (control/rank_allocation.py)
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (stage, sorted(dp_compression.shape_counts().items())))
             stage_groups = [None] * num_stages
