@@ -11,7 +11,7 @@ looked up by name when ``pretrain`` calls it (docs/megatron-lm-seams.md says why
 * ``initialize.validate_args``: the EDGC flags are checked after Megatron's own checks and
   before any process group exists; a bad value prints ``error: --edgc-…: …`` and exits 2;
 * ``training.setup_model_and_optimizer``: after Megatron built the DDP chunks (and loaded a
-  checkpoint) the EDGC runtime (:class:`~megatron_edgc.training.edgc_runtime.EdgcRuntime`,
+  checkpoint) the EDGC runtime (:class:`~megatron_edgc.runtime.step.EdgcRuntime`,
   the one this project's trainer uses) is built on them;
 * ``training.train_step``: the runtime runs around each step — ranks in force before the
   forward/backward, the compressing PP communicator passed to the schedule, the telemetry
@@ -219,9 +219,9 @@ def _build_runtime(model, optimizer, scheduler) -> None:
     from megatron.training.global_vars import get_args, get_tensorboard_writer
     from megatron.training.utils import print_rank_0
 
-    from megatron_edgc.telemetry import MetricsWriter
-    from megatron_edgc.training import checkpoint as ckpt
-    from megatron_edgc.training.edgc_runtime import EdgcRuntime
+    from megatron_edgc.runtime.rank_state import restore_rank_state
+    from megatron_edgc.runtime.step import EdgcRuntime
+    from megatron_edgc.runtime.telemetry import MetricsWriter
 
     args, cfg = get_args(), _state.cfg
     # The compressibility check from the real parameter shapes of every stage.
@@ -256,7 +256,7 @@ def _build_runtime(model, optimizer, scheduler) -> None:
         device=device, lr_at=lr_at, optimizer=optimizer)
     if _state.stashed is not None:
         saved, dp_changed = _state.stashed
-        reset = ckpt.restore_rank_state(saved, dp_changed)
+        reset = restore_rank_state(saved, dp_changed)
         if reset:
             print_rank_0(f"EDGC: resumed on another DP size; per-replica state reset "
                          f"({', '.join(reset)})")
@@ -391,7 +391,7 @@ def _save_checkpoint(original):
         import torch
         from megatron.training.global_vars import get_args
 
-        from megatron_edgc.training import checkpoint as ckpt
+        from megatron_edgc.runtime.rank_state import collect_rank_state
 
         args = get_args()
         path = _sidecar(args.save, iteration, *_coords())
@@ -400,7 +400,7 @@ def _save_checkpoint(original):
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"iteration": iteration, "coords": _coords(), "layout": _layout(args),
-                        "extensions": ckpt.collect_rank_state()}, path + ".tmp")
+                        "extensions": collect_rank_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)
         except OSError as exc:
             error = exc
