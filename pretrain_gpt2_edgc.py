@@ -6,12 +6,12 @@
     torchrun --nproc-per-node 8 pretrain_gpt2_edgc.py --config ...   # one rank per process
 
 Bad configuration fails here, with one line naming the flag, before any process group.
-The logic is ``megatron_edgc.pretrain`` (installed as ``edgc-pretrain``).
+The logic is ``megatron_edgc.training.pretrain`` (installed as ``edgc-pretrain``).
 """
 
 import sys
 
-from megatron_edgc.pretrain import main
+from megatron_edgc.training.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,7 @@ def estimator_costs(numel, grad_sample_rate, every, repeats=15):
 
     import torch
 
-    from megatron_edgc.entropy import GradientSampler, gaussian_entropy
+    from megatron_edgc.control.entropy import GradientSampler, gaussian_entropy
 
     torch.set_num_threads(1)
     grad = torch.randn(numel)

@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 from bench.model import CLUSTERS, shard_matrices  # noqa: E402
 from megatron_edgc.compression.powersgd import (FACTOR_DTYPES, BucketCompressor,  # noqa: E402
                                                 orthonormalize)
-from megatron_edgc.entropy import GradientSampler, estimate_entropy  # noqa: E402
+from megatron_edgc.control.entropy import GradientSampler, estimate_entropy  # noqa: E402
 
 VOCAB = 50304
 

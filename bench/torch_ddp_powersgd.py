@@ -67,11 +67,12 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from megatron_edgc.telemetry import MetricsWriter
+    from megatron_edgc.model_shapes import padded_vocab_size
+    from megatron_edgc.runtime.telemetry import MetricsWriter
     from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
     from megatron_edgc.training.loop import init_worker, shutdown_worker, summarize
     from megatron_edgc.training.model import layer_spec, transformer_config
-    from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron_edgc.training.tokenizer import build_tokenizer
 
     init_worker(cfg, rank, world_size, local_rank)
     try:

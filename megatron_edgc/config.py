@@ -425,7 +425,7 @@ class EdgcConfig:
                                     "entropy change -> rank (CQM, EDGC §4, with DAC); budget: "
                                     "per-matrix-shape ranks that spend --edgc-byte-budget where "
                                     "PowerSGD's measured residual falls most "
-                                    "(megatron_edgc/rank_allocation.py)",
+                                    "(megatron_edgc/control/rank_allocation.py)",
                            choices=("paper", "budget"))
     byte_budget: float = knob(0.5, "budget controller: compressed DP bytes per iteration as a "
                                    "fraction of every shape at r_max", min=0.0, max=1.0,

@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
-from megatron_edgc.training.tokenizer import padded_vocab_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of ``divisible_by * TP``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def stage_param_shapes(model, parallel, vocab_size: int) -> list:

@@ -2,8 +2,8 @@
 
 import math
 
-from megatron_edgc.controller import ControllerSettings, RankController
-from megatron_edgc.rank_model import RankModel
+from megatron_edgc.control.controller import ControllerSettings, RankController
+from megatron_edgc.control.rank_model import RankModel
 
 
 def drive(controller, entropy_of, iterations):

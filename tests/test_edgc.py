@@ -4,7 +4,7 @@
 import pytest
 
 from distributed import LAYOUTS, read_jsonl, run_job
-from megatron_edgc.entropy import GradientSampler, gaussian_entropy
+from megatron_edgc.control.entropy import GradientSampler, gaussian_entropy
 
 EDGC = ["--edgc-mode", "edgc", "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5",
         "--edgc-rank-max", "16", "--edgc-rank-min", "4", "--edgc-warmup-max-iters", "8",
@@ -58,7 +58,7 @@ def test_sampled_entropy_tracks_the_full_estimate_on_real_gradients(small_model_
 def test_calibrated_g_from_real_gradients(small_model_argv, tmp_path):
     """--edgc-g calibrated: at warm-up end g becomes the real gradients' residual curve,
     the same on every rank; correlated gradients compress better than Gaussian theory."""
-    from megatron_edgc.rank_model import RankModel
+    from megatron_edgc.control.rank_model import RankModel
 
     metrics = str(tmp_path / "m.jsonl")
     run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + EDGC + [

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_edgc.entropy import GradientSampler, gaussian_entropy, histogram_entropy
+from megatron_edgc.control.entropy import GradientSampler, gaussian_entropy, histogram_entropy
 
 
 @pytest.mark.parametrize("sigma", [1e-4, 1e-2, 1.0])

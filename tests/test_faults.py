@@ -11,7 +11,7 @@ import sys
 import time
 
 from distributed import read_jsonl
-from megatron_edgc.telemetry import MetricsWriter
+from megatron_edgc.runtime.telemetry import MetricsWriter
 from megatron_edgc.training.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

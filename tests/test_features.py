@@ -144,7 +144,7 @@ def test_module_level_schedule_routes_transfers_to_the_communicator(monkeypatch)
 
 def test_cli_prints_the_missing_feature_as_one_error_line(monkeypatch, capsys,
                                                           small_model_argv):
-    from megatron_edgc import pretrain
+    from megatron_edgc.training import pretrain
 
     monkeypatch.delattr(schedules, "backward_step")
     assert pretrain.main(small_model_argv) == 2

@@ -29,7 +29,7 @@ def test_pretrain_trains_with_spawned_workers(small_model_argv, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
     code = ("import sys; from megatron_edgc.training import launch\n"
             "launch.start_method = lambda: 'spawn'\n"
-            "from megatron_edgc.pretrain import main\n"
+            "from megatron_edgc.training.pretrain import main\n"
             "sys.exit(main(sys.argv[1:]))")
     argv = small_model_argv + ["--pipeline-model-parallel-size", "1", "--data-parallel-size",
                                "2", "--train-iters", "3", "--edgc-mode", "static",

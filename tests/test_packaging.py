@@ -28,9 +28,10 @@ def test_wheel_install_runs_both_commands(tmp_path):
         fh.write("\n".join(site.getsitepackages()) + "\n")
     # Console scripts: pip --target does not write them; make them as pip would.
     bindir = venv / "bin"
-    for name, target in (("edgc-prepare-data", "prepare_data"), ("edgc-pretrain", "main")):
-        (bindir / name).write_text(f"#!{py}\nimport sys\nfrom megatron_edgc.cli import "
-                                   f"{target}\nsys.exit({target}())\n")
+    for name, module in (("edgc-prepare-data", "megatron_edgc.training.prepare_data"),
+                         ("edgc-pretrain", "megatron_edgc.training.pretrain")):
+        (bindir / name).write_text(f"#!{py}\nimport sys\nfrom {module} import "
+                                   f"main\nsys.exit(main())\n")
         (bindir / name).chmod(0o755)
     work = tmp_path / "work"       # outside the source tree
     work.mkdir()

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from megatron_edgc.config import parse_config
+from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.training.model import count_parameters
-from megatron_edgc.training.tokenizer import padded_vocab_size
 
 from distributed import run_job
 

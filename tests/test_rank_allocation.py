@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
-from megatron_edgc.controller import ControllerSettings
-from megatron_edgc.rank_allocation import (BudgetRankController, adam_weights, allocate_ranks,
-                                           captured_curve, max_rank_of)
+from megatron_edgc.control.controller import ControllerSettings
+from megatron_edgc.control.rank_allocation import (BudgetRankController, adam_weights,
+                                                   allocate_ranks, captured_curve, max_rank_of)
 
 
 def one_rank_step(comp, grads):
@@ -208,13 +208,13 @@ def test_step_limited_budget_controller_moves_by_at_most_s():
 
 
 def test_extended_curve_is_the_sorted_energies_upper_bound():
-    from megatron_edgc.rank_allocation import extend_curve
+    from megatron_edgc.control.rank_allocation import extend_curve
     assert extend_curve([0.0, 0.5, 0.7], 5) == pytest.approx([0.0, 0.5, 0.7, 0.9, 1.0, 1.0])
     assert extend_curve([0.0, 0.5], 1) == [0.0, 0.5]
 
 
 def test_sqrt_lr_scales_have_mean_one_and_follow_the_lr():
-    from megatron_edgc.rank_allocation import sqrt_lr_scales
+    from megatron_edgc.control.rank_allocation import sqrt_lr_scales
     scales = sqrt_lr_scales([1e-3, 4e-4, 1e-4])
     assert sum(scales) / 3 == pytest.approx(1.0)
     assert scales[0] / scales[2] == pytest.approx(10 ** 0.5)

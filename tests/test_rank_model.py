@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_edgc.rank_model import RankModel
+from megatron_edgc.control.rank_model import RankModel
 
 
 @pytest.mark.parametrize("shape", [(1920, 7680), (128, 512), (300, 200), (64, 64)])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_edgc.stage_alignment import (LinearTimeModel, aligned_ranks, stage_slack)
+from megatron_edgc.control.stage_alignment import (LinearTimeModel, aligned_ranks, stage_slack)
 
 
 def test_fit_exact_and_noisy():

@@ -27,7 +27,7 @@ backward, where a host sync would stall the queueing of backward kernels. The no
 decision is taken on the device (every rank holds the same summed flag, so every rank
 issues the same collectives), and the step's times and non-finite count are collected as
 CUDA events and device tensors and resolved by :meth:`DPSyncStats.resolve`, once per step
-after the step's work (``training/edgc_runtime.py``).
+after the step's work (``runtime/step.py``).
 
 With compression off nothing is patched, and training is bit-identical to plain
 megatron-core. Before ``start_iter`` (and whenever the rank table says "dense") the

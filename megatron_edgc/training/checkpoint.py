@@ -14,7 +14,8 @@ never leaves a loadable half-checkpoint. The data position is the iteration itse
 (:class:`~megatron_edgc.training.data.MicroBatchStream` is addressed by iteration).
 
 Extensions (the gradient compressor, the rank controller) register themselves with
-:func:`register_rank_state` and are saved and restored with every rank's state.
+:func:`~megatron_edgc.runtime.rank_state.register_rank_state` and are saved and restored
+with every rank's state.
 
 Resuming with a different DP size (same TP, PP, virtual stages, no distributed optimizer):
 model, optimizer and schedule come from the (TP, PP) file as always; the per-rank state of
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_edgc.runtime.rank_state import collect_rank_state, restore_rank_state
 from megatron_edgc.training.checkpoint_files import (LATEST, iteration_dir, model_file_name,
                                                      rank_file_name)
 
@@ -107,42 +109,6 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-
-
-# name -> (state_dict fn, load_state_dict fn); per-rank state of extensions.
-_RANK_STATE: dict[str, tuple[Callable[[], dict], Callable[[dict], None]]] = {}
-_DP_INVARIANT: set = set()  # extensions whose state is the same on every DP replica
-
-
-def register_rank_state(name: str, save: Callable[[], dict], load: Callable[[dict], None],
-                        dp_invariant: bool = False):
-    _RANK_STATE[name] = (save, load)
-    (_DP_INVARIANT.add if dp_invariant else _DP_INVARIANT.discard)(name)
-
-
-def unregister_rank_state(name: str) -> None:
-    _RANK_STATE.pop(name, None)
-    _DP_INVARIANT.discard(name)
-
-
-def collect_rank_state() -> dict:
-    """Every registered extension's state on this rank: ``{name: state}``."""
-    return {name: save() for name, (save, _) in _RANK_STATE.items()}
-
-
-def restore_rank_state(saved: dict, dp_changed: bool) -> list:
-    """Load ``saved`` (from :func:`collect_rank_state`) into the registered extensions.
-    After a DP-size change only the DP-invariant ones are loaded; returns the names of
-    those left fresh."""
-    reset = []
-    for name, (_, load) in _RANK_STATE.items():
-        if name not in saved:
-            continue
-        if dp_changed and name not in _DP_INVARIANT:
-            reset.append(name)
-            continue
-        load(saved[name])
-    return reset
 
 
 def _global_rank(tp: int, pp: int, dp: int, layout: dict) -> int:

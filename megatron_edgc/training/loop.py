@@ -24,16 +24,17 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
-from megatron_edgc.telemetry import MetricsWriter, format_progress
+from megatron_edgc.runtime.step import EdgcRuntime
+from megatron_edgc.runtime.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training import zeroshot
 from megatron_edgc.training.data import (MicroBatchStream, build_gpt_datasets,
                                          split_document_texts)
-from megatron_edgc.training.edgc_runtime import EdgcRuntime
 from megatron_edgc.training.launch import record_failure
 from megatron_edgc.training.model import build_model_and_optimizer
-from megatron_edgc.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron_edgc.training.tokenizer import build_tokenizer
 
 
 def log0(*args) -> None:

@@ -167,9 +167,3 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | None):
                              "written by scripts/prepare_data.py")
         return CorpusBPETokenizer(vocab_file)
     raise ValueError(f"--tokenizer-type: unknown tokenizer {tokenizer_type!r}")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round up to a multiple of ``divisible_by * TP``."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -1,6 +1,6 @@
-"""EDGC around one training step: the per-rank machinery both training loops share.
+"""EDGC around one training step: the per-rank machinery both front-ends share.
 
-This project's :class:`~megatron_edgc.training.loop.Trainer` and the Megatron-LM plug-in
+This project's trainer (:mod:`megatron_edgc.training.loop`) and the Megatron-LM plug-in
 (:mod:`megatron_edgc.megatron_lm`) build one :class:`EdgcRuntime` after the model, DDP and
 optimizer exist, and call it around every step:
 
@@ -11,7 +11,8 @@ optimizer exist, and call it around every step:
 
 so the two loops compress, measure and decide identically. It owns the DP compression
 (``patches/ddp.py``), the PP communicator (``patches/p2p.py``), the stage timer and the
-EDGC driver, and registers their state with the checkpoint registry.
+EDGC driver (``runtime/driver.py``), reduces the step's telemetry over the job, and
+registers their state with the checkpoint registry (``runtime/rank_state.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from megatron_edgc.compression.powersgd import FACTOR_DTYPES
 from megatron_edgc.patches.ddp import DPGradientCompression
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator
 from megatron_edgc.patches.timing import StageTimer
-from megatron_edgc.training import checkpoint as ckpt
-from megatron_edgc.training.edgc import EdgcDriver
+from megatron_edgc.runtime.rank_state import register_rank_state, unregister_rank_state
+from megatron_edgc.runtime.driver import EdgcDriver
 
 #: Per-stage timing columns of the per-iteration all-reduce.
 STAGE_TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
@@ -67,8 +68,8 @@ class EdgcRuntime:
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype])
-            ckpt.register_rank_state("dp_compression", self.dp_compression.state_dict,
-                                     self.dp_compression.load_state_dict)
+            register_rank_state("dp_compression", self.dp_compression.state_dict,
+                                self.dp_compression.load_state_dict)
         # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.
         self.timer = StageTimer(device.type == "cuda")
         self.timer.install()
@@ -79,22 +80,22 @@ class EdgcRuntime:
                 pp_group, model_config, num_microbatches=num_microbatches,
                 num_chunks=len(chunks), epilogue_only=e.pp_epilogue_only,
                 seed=cfg.training.seed, timer=self.timer)
-            ckpt.register_rank_state("pp_compression", self.p2p.state_dict,
-                                     self.p2p.load_state_dict)
+            register_rank_state("pp_compression", self.p2p.state_dict,
+                                self.p2p.load_state_dict)
         if e.mode == "edgc":
             self.edgc = EdgcDriver(cfg, chunks, self.dp_compression, stage=stage,
                                    num_stages=num_stages, device=device, p2p=self.p2p,
                                    activation_shape=activation_shape, lr_at=lr_at,
                                    optimizer=optimizer)
-            ckpt.register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
-                                     dp_invariant=True)
+            register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
+                                dp_invariant=True)
         self.dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
                                   for c in chunks for g in c.bucket_groups for b in g.buckets)
 
     def close(self) -> None:
         """Drop this runtime's checkpoint-registry entries."""
         for name in _STATE_NAMES:
-            ckpt.unregister_rank_state(name)
+            unregister_rank_state(name)
 
     # ------------------------------------------------------------------ per step
 

@@ -32,7 +32,7 @@ import math
 from typing import Optional, Sequence
 
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, is_compressible
-from megatron_edgc.controller import ControllerSettings, RankController
+from megatron_edgc.control.controller import ControllerSettings, RankController
 
 Shape = tuple  # (n, m)
 

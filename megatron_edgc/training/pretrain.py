@@ -3,7 +3,7 @@ entry point behind ``pretrain_gpt2_edgc.py`` and the ``edgc-pretrain`` command.
 
     edgc-pretrain                                   # tiny CPU default, 4 local processes
     edgc-pretrain --config configs/X.yaml --train-iters 500
-    torchrun --nproc-per-node 8 -m megatron_edgc.pretrain --config ...   # one rank per process
+    torchrun --nproc-per-node 8 -m megatron_edgc.training.pretrain --config ...   # a rank each
 
 Bad configuration fails here, with one line naming the flag, before any process group.
 """

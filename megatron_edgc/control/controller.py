@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megatron_edgc.rank_model import RankModel
+from megatron_edgc.control.rank_model import RankModel
 
 
 @dataclass

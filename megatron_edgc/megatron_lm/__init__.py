@@ -1,0 +1,36 @@
+"""EDGC in an unmodified Megatron-LM job: two lines in its ``pretrain_gpt.py``.
+
+    import megatron_edgc.megatron_lm as edgc          # 1: before pretrain(...)
+    edgc.enable()
+    pretrain(..., extra_args_provider=edgc.add_args)  # 2: the --edgc-* flags
+
+``add_args`` registers every ``--edgc-*`` flag of this project's trainer (same names,
+defaults, ranges and errors; :mod:`.flags`); ``enable`` wraps five seams of
+``megatron.training``, each looked up by name when ``pretrain`` calls it (:mod:`.seams`;
+docs/megatron-lm-seams.md says why these):
+
+* ``initialize.validate_args``: the EDGC flags are checked after Megatron's own checks and
+  before any process group exists; a bad value prints ``error: --edgc-…: …`` and exits 2;
+* ``training.setup_model_and_optimizer``: after Megatron built the DDP chunks (and loaded a
+  checkpoint) the EDGC runtime (:class:`~megatron_edgc.runtime.step.EdgcRuntime`, the one
+  this project's trainer uses) is built on them;
+* ``training.train_step``: the runtime runs around each step — ranks in force before the
+  forward/backward, the compressing PP communicator passed to the schedule, the telemetry
+  all-reduce and the controller's decision after the optimizer step; scalars go to
+  Megatron-LM's TensorBoard writer (tags ``edgc/*``) and ``--edgc-metrics-file``;
+* ``training.save_checkpoint`` / ``training.load_checkpoint``: every rank writes its
+  compressor and controller state to ``iter_XXXXXXX/edgc/tp{T}_pp{P}_dp{D}.pt`` before
+  Megatron writes its own files and the ``latest`` pointer, and reads it back on resume
+  (:mod:`.checkpoint`).
+
+With ``--edgc-mode off`` and ``--edgc-pp-compression off`` every wrapper passes through.
+On CPU (tests, laptops) ``python -m megatron_edgc.megatron_lm.cpu pretrain_gpt.py ...``
+runs the script with the CUDA shims of :mod:`.cpu_shims`.
+"""
+
+from megatron_edgc.megatron_lm.flags import CKPT_FORMATS, add_args, chain, run_config
+from megatron_edgc.megatron_lm.seams import (TESTED_MEGATRON_LM, MissingSeam, check_seams,
+                                             disable, enable)
+
+__all__ = ["enable", "disable", "add_args", "chain", "run_config", "check_seams",
+           "MissingSeam", "TESTED_MEGATRON_LM", "CKPT_FORMATS"]

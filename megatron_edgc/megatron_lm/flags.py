@@ -1,0 +1,103 @@
+"""The plug-in's ``--edgc-*`` flags in Megatron-LM's parser, and the validated
+:class:`~megatron_edgc.config.RunConfig` built from Megatron-LM's ``args``: the same
+names, defaults, ranges and one-line errors as this project's trainer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _check_ranges,
+                                  add_knob_argument, check_writable, flag_of)
+
+#: Checkpoint formats whose iteration directory and ``latest`` pointer the EDGC state
+#: follows (docs/megatron-lm-seams.md §3); ``--async-save`` included.
+CKPT_FORMATS = ("torch", "torch_dist")
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the ``--edgc-*`` flags; returns the parser."""
+    group = parser.add_argument_group("EDGC", "entropy-driven gradient compression "
+                                              "(megatron_edgc)")
+    for f in dataclasses.fields(EdgcConfig):
+        add_knob_argument(group, flag_of(f.name, EdgcConfig), f, dest=f"edgc_{f.name}",
+                          default=f.default)
+    group.add_argument("--edgc-metrics-file", default=None,
+                       help="JSONL file, one EDGC record per iteration (logging rank)")
+    group.add_argument("--edgc-allow-untested-megatron", action="store_true",
+                       help="run on a megatron-core version the patches were not tested with")
+    return parser
+
+
+def chain(*providers):
+    """Several ``extra_args_provider``s as one (e.g. ``chain(add_modelopt_args, add_args)``)."""
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+    return provider
+
+
+def run_config(args) -> RunConfig:
+    """A validated :class:`RunConfig` from Megatron-LM's ``args`` (the ``--edgc-*`` flags
+    and the model/parallel/training values EDGC reads). Raises :class:`ConfigError`."""
+    if not hasattr(args, "edgc_mode"):
+        raise ConfigError("--edgc-mode", "the EDGC flags are not registered: pass "
+                                         "extra_args_provider=megatron_edgc.megatron_lm.add_args"
+                                         " to pretrain(...)")
+    cfg = RunConfig(allow_untested_megatron=args.edgc_allow_untested_megatron)
+    for f in dataclasses.fields(EdgcConfig):
+        setattr(cfg.edgc, f.name, getattr(args, f"edgc_{f.name}"))
+    _check_ranges(cfg.edgc)
+    cfg.edgc.resolve()
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    m.num_layers, m.hidden_size = args.num_layers, args.hidden_size
+    m.num_attention_heads, m.ffn_hidden_size = args.num_attention_heads, args.ffn_hidden_size
+    m.seq_length, m.max_position_embeddings = args.seq_length, args.max_position_embeddings
+    p.tensor_model_parallel_size = args.tensor_model_parallel_size
+    p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
+    p.data_parallel_size = args.data_parallel_size
+    p.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size
+    p.overlap_grad_reduce = args.overlap_grad_reduce
+    p.use_distributed_optimizer = args.use_distributed_optimizer
+    t.micro_batch_size, t.global_batch_size = args.micro_batch_size, args.global_batch_size
+    t.train_iters = args.train_iters or (args.train_samples or 0) // args.global_batch_size
+    t.seed = args.seed
+    e = cfg.edgc
+    if e.mode == "off" and e.pp_compression == "off":
+        return cfg
+    if e.pp_compression != "off" and p.pipeline_model_parallel_size < 2:
+        raise ConfigError("--edgc-pp-compression", f"compresses pipeline sends: needs "
+                                                   f"--pipeline-model-parallel-size >= 2, got "
+                                                   f"{p.pipeline_model_parallel_size}")
+    _refuse_unsupported(args)
+    e.check_layout(p)
+    if args.edgc_metrics_file:
+        check_writable("--edgc-metrics-file", args.edgc_metrics_file, is_file=True)
+    return cfg
+
+
+def _refuse_unsupported(args) -> None:
+    """Megatron-LM features the EDGC seams do not cover, each named by its flag."""
+    def refuse(flag: str, why: str):
+        raise ConfigError(flag, f"not supported with EDGC compression on ({why})")
+
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        refuse("--use-torch-fsdp2/--use-megatron-fsdp", "the patch compresses DDP's buckets")
+    if getattr(args, "num_experts", None):
+        refuse("--num-experts", "expert-parallel buckets are not compressed")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        refuse("--context-parallel-size", "the DP group would include CP")
+    if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
+        refuse("--num-distributed-optimizer-instances", "one DP group per bucket is assumed")
+    if getattr(args, "non_persistent_save_interval", None):
+        refuse("--non-persistent-save-interval", "EDGC state is saved with persistent "
+                                                 "checkpoints only")
+    if (args.save or args.load) and getattr(args, "ckpt_format", "torch") not in CKPT_FORMATS:
+        refuse("--ckpt-format", f"{args.ckpt_format}; use --ckpt-format "
+                                f"{' or '.join(CKPT_FORMATS)}")
+    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
+        refuse("--cuda-graph-impl", "graphs would skip the per-step hooks")
+    if args.edgc_pp_compression != "off" and getattr(args, "rampup_batch_size", None):
+        refuse("--rampup-batch-size", "PP compression fixes the micro-batch count")

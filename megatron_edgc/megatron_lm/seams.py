@@ -1,0 +1,295 @@
+"""The wrappers of Megatron-LM's ``megatron.training`` functions (the seams), and
+:func:`enable` / :func:`disable`, which install and remove them.
+
+Each seam is looked up by name when ``pretrain`` calls it (docs/megatron-lm-seams.md says
+why these): ``validate_args`` checks the ``--edgc-*`` flags before any process group
+exists; ``setup_model_and_optimizer`` builds the EDGC runtime
+(:class:`~megatron_edgc.runtime.step.EdgcRuntime`, the one this project's trainer uses) on
+Megatron's DDP chunks; ``train_step`` runs it around each step, its scalars going to
+Megatron-LM's TensorBoard writer (tags ``edgc/*``) and ``--edgc-metrics-file``;
+``save_checkpoint`` / ``load_checkpoint`` write and read EDGC's sidecar
+(:mod:`megatron_edgc.megatron_lm.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+from megatron_edgc.config import ConfigError
+from megatron_edgc.megatron_lm.checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
+from megatron_edgc.megatron_lm.flags import run_config
+from megatron_edgc.megatron_lm.state import state as _state
+
+#: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
+TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
+
+#: The seams and the parameters each wrapper relies on (checked in :func:`enable`).
+#: ``validate_args`` is wrapped where Megatron-LM calls it from: ``arguments`` (core_v0.19+:
+#: ``parse_and_validate_args``) and, where it imports the name, ``initialize`` (core_v0.13.1
+#: ... core_v0.16.1: ``initialize_megatron``); see :data:`_OPTIONAL_SEAMS`.
+_SEAMS = {
+    ("megatron.training.arguments", "validate_args"): ("args",),
+    ("megatron.training.training", "setup_model_and_optimizer"):
+        ("model_provider_func", "model_type"),
+    # core_v0.13.1 has no forward_backward_func parameter (train_step gets the schedule from
+    # get_forward_backward_func itself) and no iteration (args.curr_iteration has it);
+    # core_v0.19+ add pg_collection and p2p_communicator, which the wrapper overrides.
+    ("megatron.training.training", "train_step"):
+        ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
+         "config"),
+    ("megatron.training.training", "save_checkpoint"): ("iteration", "model"),
+    ("megatron.training.training", "load_checkpoint"): ("ddp_model",),
+    ("megatron.training.checkpointing", "get_checkpoint_name"):
+        ("checkpoints_path", "iteration", "return_base_dir"),
+}
+
+#: Seams wrapped only where the module has the name.
+_OPTIONAL_SEAMS = {("megatron.training.initialize", "validate_args")}
+
+
+# ---------------------------------------------------------------------------- wrappers
+
+
+def _fail(exc: Exception) -> None:
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _validate_args(original):
+    @functools.wraps(original)
+    def validate_args(args, *rest, **kwargs):
+        out = original(args, *rest, **kwargs)
+        try:
+            _state.cfg = run_config(args)
+            from megatron_edgc.patches.cpu import check_megatron_version
+
+            check_megatron_version(_state.cfg.allow_untested_megatron)
+        except Exception as exc:  # ConfigError, UnsupportedMegatronVersion
+            _fail(exc)
+        return out
+    return validate_args
+
+
+def _setup_model_and_optimizer(original):
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = original(*args, **kwargs)
+        if _state.compression_on():
+            _build_runtime(model, optimizer, scheduler)
+        return model, optimizer, scheduler
+    return setup_model_and_optimizer
+
+
+def _build_runtime(model, optimizer, scheduler) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import mpu
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+    from megatron.training.global_vars import get_args, get_tensorboard_writer
+    from megatron.training.utils import print_rank_0
+
+    from megatron_edgc.runtime.rank_state import restore_rank_state
+    from megatron_edgc.runtime.step import EdgcRuntime
+    from megatron_edgc.runtime.telemetry import MetricsWriter
+
+    args, cfg = get_args(), _state.cfg
+    # The compressibility check from the real parameter shapes of every stage.
+    shapes = [tuple(p.shape) for chunk in model for p in chunk.module.parameters()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, shapes)
+    try:
+        cfg._check_compression_ranks(shapes=[s for rank in gathered for s in rank])
+    except ConfigError as exc:
+        if dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+    def lr_at(step: int) -> float:
+        """The LR Megatron-LM's scheduler gives at ``step`` (it counts samples)."""
+        now = scheduler.num_steps
+        try:
+            scheduler.num_steps = step * args.global_batch_size
+            return float(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+        finally:
+            scheduler.num_steps = now
+
+    runtime = EdgcRuntime(
+        cfg, model, get_model_config(model[0]), dp_group=mpu.get_data_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        stage=mpu.get_pipeline_model_parallel_rank(),
+        num_stages=args.pipeline_model_parallel_size,
+        num_microbatches=get_num_microbatches(),
+        activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+        device=device, lr_at=lr_at, optimizer=optimizer)
+    if _state.stashed is not None:
+        saved, dp_changed = _state.stashed
+        reset = restore_rank_state(saved, dp_changed)
+        if reset:
+            print_rank_0(f"EDGC: resumed on another DP size; per-replica state reset "
+                         f"({', '.join(reset)})")
+        _state.stashed = None
+    _state.runtime = runtime
+    is_logger = (mpu.is_pipeline_last_stage(ignore_virtual=True)
+                 and mpu.get_data_parallel_rank() == 0
+                 and mpu.get_tensor_model_parallel_rank() == 0)
+    # The JSONL file on the logging rank; the scalars wherever Megatron-LM keeps its
+    # TensorBoard writer (the last rank). The records are job-wide after the all-reduce.
+    tb = get_tensorboard_writer()
+    _state.metrics = [MetricsWriter(args.edgc_metrics_file, None, is_logger,
+                                    resume_from=args.iteration),
+                      MetricsWriter(None, None, tb is not None, tb_writer=tb, tb_prefix="edgc/")]
+    for note in cfg.compression_notes:
+        print_rank_0(note)
+
+
+def _train_step(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def train_step(*args_, **kwargs):
+        runtime = _state.runtime
+        if runtime is None:
+            return original(*args_, **kwargs)
+        from megatron.training import training
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+        bound = signature.bind(*args_, **kwargs)
+        call = bound.arguments
+        iteration = call.get("iteration")
+        if iteration is None:
+            iteration = args.curr_iteration
+        config = call["config"]
+        finalize = config.finalize_model_grads_func
+        if finalize is not None and not getattr(finalize, "__edgc_timed__", False):
+            # train() (re)sets it before the loop: stamp when gradients are ready.
+            timed = runtime.timed_finalize(finalize)
+            timed.__edgc_timed__ = True
+            config.finalize_model_grads_func = timed
+        runtime.begin_step(iteration)
+
+        def with_edgc(forward_backward_func):
+            def forward_backward(*fb_args, **fb_kwargs):
+                runtime.begin_schedule()  # again on a rerun of the step
+                fb_kwargs.update(runtime.schedule_kwargs())
+                return forward_backward_func(*fb_args, **fb_kwargs)
+            return forward_backward
+
+        if "forward_backward_func" in signature.parameters:
+            call["forward_backward_func"] = with_edgc(call["forward_backward_func"])
+            out = original(*bound.args, **bound.kwargs)
+        else:  # core_v0.13.1: train_step asks get_forward_backward_func() for the schedule
+            get_schedule = training.get_forward_backward_func
+            training.get_forward_backward_func = lambda *a, **k: with_edgc(get_schedule(*a, **k))
+            try:
+                out = original(*bound.args, **bound.kwargs)
+            finally:
+                training.get_forward_backward_func = get_schedule
+        loss_dict, skipped, should_exit, grad_norm = out[0], out[1], out[3], out[5]
+        if should_exit:
+            return out
+        optimizer, scheduler = call["optimizer"], call["opt_param_scheduler"]
+        record = {"iteration": iteration + 1,
+                  "loss": float(loss_dict["lm loss"]) if "lm loss" in loss_dict
+                  else float("nan"),
+                  "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                  "lr": float(scheduler.get_lr(optimizer.param_groups[0])),
+                  "skipped": bool(skipped)}
+        runtime.end_step(iteration, record)
+        for writer in _state.metrics:
+            writer.write(record)
+        if (iteration + 1) % args.log_interval == 0:
+            _log_line(record)
+        return out
+    return train_step
+
+
+def _log_line(rec: dict) -> None:
+    from megatron.training.utils import print_rank_last
+
+    ranks = rec.get("rank_dp")
+    saved = 1.0 - rec["dp_bytes_sent_job"] / rec["dp_bytes_dense_job"] \
+        if rec.get("dp_bytes_dense_job") else 0.0
+    parts = [f"EDGC iteration {rec['iteration']}",
+             f"rank dp {ranks if ranks is not None else 'dense'}",
+             f"dp {rec['dp_bytes_sent_job'] / 2 ** 20:.2f} MiB (saved {100 * saved:.1f} %)"]
+    if "rank_pp" in rec:
+        parts.append(f"rank pp {rec['rank_pp']}")
+    if "pp_bytes_sent_job" in rec:
+        parts.append(f"pp {rec['pp_bytes_sent_job'] / 2 ** 20:.2f} MiB")
+    print_rank_last(" | ".join(parts))
+
+
+# ---------------------------------------------------------------------------- enable
+
+
+_WRAPPERS = {
+    ("megatron.training.arguments", "validate_args"): _validate_args,
+    ("megatron.training.initialize", "validate_args"): _validate_args,
+    ("megatron.training.training", "setup_model_and_optimizer"): _setup_model_and_optimizer,
+    ("megatron.training.training", "train_step"): _train_step,
+    ("megatron.training.training", "save_checkpoint"): wrap_save_checkpoint,
+    ("megatron.training.training", "load_checkpoint"): wrap_load_checkpoint,
+}
+
+
+class MissingSeam(RuntimeError):
+    """The Megatron-LM in use lacks a function (or parameter) the plug-in wraps."""
+
+
+def check_seams() -> None:
+    """Every seam exists with the parameters the wrappers rely on; else one line naming
+    what is missing."""
+    import importlib
+
+    for (module_name, name), params in _SEAMS.items():
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name, None)
+        fn = getattr(fn, "__wrapped__", fn)
+        if fn is None:
+            raise MissingSeam(f"Megatron-LM's {module_name}.{name} is missing (megatron_edgc "
+                              f"wraps it; tested with Megatron-LM {', '.join(TESTED_MEGATRON_LM)})")
+        have = inspect.signature(fn).parameters
+        missing = [p for p in params if p not in have]
+        if missing:
+            raise MissingSeam(f"Megatron-LM's {module_name}.{name} has no parameter "
+                              f"{', '.join(missing)} (tested with Megatron-LM "
+                              f"{', '.join(TESTED_MEGATRON_LM)})")
+
+
+def enable() -> None:
+    """Install the wrappers (idempotent). Call before ``pretrain(...)``."""
+    import importlib
+
+    check_seams()
+    for (module_name, name), wrap in _WRAPPERS.items():
+        module = importlib.import_module(module_name)
+        current = getattr(module, name, None)
+        if current is None and (module_name, name) in _OPTIONAL_SEAMS:
+            continue
+        if getattr(current, "__edgc_wrapped__", False):
+            continue
+        wrapped = wrap(current)
+        wrapped.__edgc_wrapped__ = True
+        _state.originals[(module_name, name)] = current
+        setattr(module, name, wrapped)
+
+
+def disable() -> None:
+    """Restore the originals and drop the runtime (in-process tests)."""
+    import importlib
+
+    for (module_name, name), original in _state.originals.items():
+        setattr(importlib.import_module(module_name), name, original)
+    _state.originals.clear()
+    if _state.runtime is not None:
+        _state.runtime.close()
+    for writer in _state.metrics or []:
+        writer.close()
+    _state.cfg = _state.runtime = _state.metrics = _state.stashed = None
+

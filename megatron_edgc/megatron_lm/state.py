@@ -1,0 +1,23 @@
+"""What the plug-in holds in a Megatron-LM process between the wrapped calls."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_edgc.config import RunConfig
+
+
+class PluginState:
+    def __init__(self):
+        self.cfg: Optional[RunConfig] = None    # validated from the --edgc-* flags
+        self.runtime = None                     # EdgcRuntime, when compression is on
+        self.metrics = None                     # [JSONL writer, TensorBoard writer]
+        self.stashed: Optional[tuple] = None    # (extensions, dp_changed) read at load
+        self.originals: dict = {}               # (module, name) -> the wrapped function
+
+    def compression_on(self) -> bool:
+        cfg = self.cfg
+        return cfg is not None and (cfg.edgc.mode != "off" or cfg.edgc.pp_compression != "off")
+
+
+state = PluginState()

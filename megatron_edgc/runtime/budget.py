@@ -1,0 +1,135 @@
+"""What the budget controller is fed at run time (``--edgc-controller budget``, beyond the
+paper: docs/method.md §8, :mod:`megatron_edgc.control.rank_allocation`).
+
+At every window end after warm-up: the window's column energies per stage and matrix
+shape (PowerSGD's own spectrum, summed over the job by one all-reduce), with
+``--edgc-budget-weight adam`` the error weights from the optimizer's second moment, and
+with ``--edgc-budget-schedule lr`` a budget scale per window from the LR schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_edgc.control.rank_allocation import adam_weights, sqrt_lr_scales
+
+
+def adam_second_moments(optimizer) -> tuple:
+    """``({id(model parameter): exp_avg_sq}, eps)`` of a megatron-core Adam optimizer
+    (``ChainedOptimizer``, ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``; the
+    distributed optimizer shards the state and is refused by the config). Tensors are the
+    live state, read at each window end; a parameter without state yet is absent."""
+    out, eps = {}, 1e-8
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        groups = getattr(opt, "float16_groups", None)
+        masters = getattr(opt, "fp32_from_float16_groups", None)
+        pairs = []
+        if groups is not None and masters is not None:
+            pairs += [(m, p) for mg, pg in zip(groups, masters) for m, p in zip(mg, pg)]
+            fp32 = getattr(opt, "fp32_from_fp32_groups", [])
+            pairs += [(p, p) for g in fp32 for p in g]
+        else:
+            pairs += [(p, p) for g in inner.param_groups for p in g["params"]]
+        for model_param, state_param in pairs:
+            state = inner.state.get(state_param, {})
+            if "exp_avg_sq" in state:
+                out[id(model_param)] = state["exp_avg_sq"]
+        eps = float(inner.param_groups[0].get("eps", eps)) if inner.param_groups else eps
+    return out, eps
+
+
+class BudgetFeed:
+    """Feeds a :class:`~megatron_edgc.control.rank_allocation.BudgetRankController` of the
+    job from this rank's DP compression (``optimizer``: for the Adam weights, or None)."""
+
+    def __init__(self, controller, dp_compression, *, optimizer, lr_at: Optional[Callable],
+                 schedule: str, train_iters: int, window: int, rank_max: int, stage: int,
+                 num_stages: int, device: torch.device):
+        self.controller, self.dp_compression, self.optimizer = controller, dp_compression, optimizer
+        self.lr_at = lr_at  # step -> LR of the run's schedule (--edgc-budget-schedule lr)
+        self.schedule, self.train_iters, self.window = schedule, train_iters, window
+        self.rank_max, self.stage, self.num_stages = rank_max, stage, num_stages
+        self.device = device
+        self.scales: Optional[dict] = None  # window start -> budget scale
+
+    def plan_scales(self, start: int) -> None:
+        """At warm-up end: the budget scale of every remaining window (mean 1), from the
+        LR schedule at each window's middle; constant schedule: all 1."""
+        w, end = self.window, self.train_iters
+        if self.schedule != "lr" or self.lr_at is None:
+            return
+        mids = list(range(start + w // 2, end, w))
+        self.scales = dict(zip(range(start, end, w),
+                               sqrt_lr_scales([self.lr_at(i) for i in mids])))
+
+    def set_scale(self, next_window_start: int) -> None:
+        if self.scales is not None:
+            self.controller.budget_scale = self.scales.get(next_window_start,
+                                                           self.controller.budget_scale)
+
+    def observe_spectrum(self) -> None:
+        """Window end: the window's column energies per stage and shape, summed over the
+        job (one all-reduce), to the controller."""
+        c = self.controller
+        r_max = self.rank_max
+        width = max(len(g) for g in c.groups) if c.groups else 0
+        sums = torch.zeros(self.num_stages, max(width, 1), 4 + r_max, dtype=torch.float64)
+        local = self.dp_compression.pop_spectrum()
+        adam = self._adam_residual_sums() if self.optimizer is not None else {}
+        for g, shape in enumerate(c.shapes_of(self.stage)):
+            if shape in local:
+                total, cols = local[shape]
+                sums[self.stage, g, 0] = total
+                sums[self.stage, g, 1] = 1.0
+                sums[self.stage, g, 2:2 + cols.numel()] = cols[:r_max]
+            if shape in adam:
+                sums[self.stage, g, 2 + r_max:] = torch.tensor(adam[shape], dtype=torch.float64)
+        sums = sums.to(self.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        spectra = []
+        for s in range(self.num_stages):
+            table = c.table[s]
+            row = []
+            for g, shape in enumerate(c.shapes_of(s)):
+                if table is None or sums[s, g, 1] == 0:
+                    row.append(None)
+                else:
+                    r = table[shape]
+                    row.append((float(sums[s, g, 0]), sums[s, g, 2:2 + r].tolist()))
+            spectra.append(row)
+        weights = None
+        if self.optimizer is not None:
+            weights = []
+            for s in range(self.num_stages):
+                n = len(c.shapes_of(s))
+                weights.append(adam_weights(sums[s, :n, 0].tolist(),
+                                            sums[s, :n, 2 + r_max].tolist(),
+                                            sums[s, :n, 3 + r_max].tolist()))
+        c.observe_spectrum(spectra, weights)
+
+    def _adam_residual_sums(self) -> dict:
+        """``{(n, m): [Σ E²/(√v+ε)², Σ E²]}`` over this rank's compressed matrices: the
+        error-feedback residual as Adam's update would see it, and plain."""
+        moments, eps = adam_second_moments(self.optimizer)
+        params = {name: p for _, named in self.dp_compression.bucket_params()
+                  for name, p in named}
+        out: dict = {}
+        for comp in self.dp_compression.compressors.values():
+            for shape, g in comp.groups.items():
+                if g.residual is None:
+                    continue
+                for j, name in enumerate(g.names):
+                    v = moments.get(id(params[name]))
+                    if v is None:
+                        continue
+                    e2 = g.residual[j].double() ** 2
+                    denom = (v.detach().double().view(e2.shape).sqrt() + eps) ** 2
+                    acc = out.setdefault(shape, [0.0, 0.0])
+                    acc[0] += float((e2 / denom).sum())
+                    acc[1] += float(e2.sum())
+        return out
