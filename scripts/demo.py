@@ -44,9 +44,9 @@ RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "e
 # link is slow enough that the DP sync is most of a dense iteration, so that EDGC's gain
 # stands clear of the ~15 % by which the machine's speed drifts between the two runs (at
 # 300 Mbit it was -16 % to +1 % over five runs, 2026-11-23/24). At 120 Mbit the gain was
-# no larger (0.78x, 0.75x): the tied-embedding all-reduce between the first and the last
-# stage, which EDGC does not compress, grows with it. Flags given to the demo come later
-# and win.
+# no larger (0.80x, 0.77x, two runs): the tied-embedding all-reduce between the first and
+# the last stage, which EDGC does not compress, grows with it. Flags given to the demo
+# come later and win.
 COMMON = ["--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120"]
 
 
