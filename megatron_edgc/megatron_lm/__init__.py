@@ -1,15 +1,16 @@
 """EDGC in an unmodified Megatron-LM job: two lines in its ``pretrain_gpt.py``.
 
-    import megatron_edgc.megatron_lm as edgc          # 1: before pretrain(...)
-    edgc.enable()
-    pretrain(..., extra_args_provider=edgc.add_args)  # 2: the --edgc-* flags
+    import megatron_edgc.megatron_lm as edgc; edgc.enable()   # 1: atop the __main__ block
+    pretrain(..., extra_args_provider=edgc.add_args)           # 2: the --edgc-* flags
+    # core_v0.19.0 and later: parse_and_validate_args(extra_args_provider=edgc.add_args)
 
 ``add_args`` registers every ``--edgc-*`` flag of this project's trainer (same names,
 defaults, ranges and errors; :mod:`.flags`); ``enable`` wraps five seams of
 ``megatron.training``, each looked up by name when ``pretrain`` calls it (:mod:`.seams`;
 docs/megatron-lm-seams.md says why these):
 
-* ``initialize.validate_args``: the EDGC flags are checked after Megatron's own checks and
+* ``validate_args`` (in ``arguments``, and in ``initialize`` where core_v0.16.1 and older
+  import it): the EDGC flags are checked after Megatron's own checks and
   before any process group exists; a bad value prints ``error: --edgc-…: …`` and exits 2;
 * ``training.setup_model_and_optimizer``: after Megatron built the DDP chunks (and loaded a
   checkpoint) the EDGC runtime (:class:`~megatron_edgc.runtime.step.EdgcRuntime`, the one
