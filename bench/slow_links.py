@@ -99,8 +99,8 @@ def mode_id(name: str, r_max: int, r_min: int) -> str:
     return name.lower().replace(" ", "-")
 
 
-MODE_IDS = ("dense", "static-rmax", "static-rmax-overlap", "static-rmin", "edgc",
-            "edgc-overlap", "hook-rmax")
+#: The ids ``--modes`` takes: the same for every config (the ranks are named, not numbered).
+MODE_IDS = tuple(mode_id(name, 32, 8) for name in modes(32, 8, 30))
 
 
 def selected_modes(r_max: int, r_min: int, iters: int, only=None) -> dict:

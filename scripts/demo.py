@@ -137,13 +137,14 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
         # probe with its own synchronize, like bench/slow_links.py's steady range): shown,
         # then left out of the means, in both runs.
         probe = next(r for r in records["edgc"] if r["iteration"] == start + 1)
-        print(f"\nafter EDGC's warm-up (iterations {start + 2}-{records['edgc'][-1]['iteration']}"
-              f", both runs; iteration {start + 1}, where EDGC's bypass measured the link "
-              f"once, took {probe['iter_ms']:.0f} ms and is left out):")
-        start += 1
+        steady_from = start + 2
+        print(f"\nafter EDGC's warm-up (iterations {steady_from}-"
+              f"{records['edgc'][-1]['iteration']}, both runs; iteration {start + 1}, where "
+              f"EDGC's bypass measured the link once, took {probe['iter_ms']:.0f} ms and is "
+              f"left out):")
         print(f"{'run':<7} {'ms/iter' + tag:>19} {'DP-sync ms' + tag:>22} {'DP MiB/iter':>11}")
         for name, recs in records.items():
-            after = [r for r in recs if r["iteration"] > start]
+            after = [r for r in recs if r["iteration"] >= steady_from]
             mean = lambda key: sum(r[key] for r in after) / len(after)  # noqa: E731
             dp_bytes = mean("dp_bytes_sent_job")
             extra_ms = link_ms(dp_bytes)
