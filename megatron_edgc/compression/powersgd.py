@@ -7,17 +7,29 @@ group; the tests simulate DP ranks in one process).
 
 One step for a bucket, on every DP rank ``i``::
 
-    M_i  = G_i + E_i                    error feedback (fp32 residual, starts at 0)
+    G_i += E_i                          error feedback, formed in place: the gradient
+                                        buffer holds M_i = G_i + E_i for the step
     P_i  = M_i Q                        Q warm-started; first Q a seeded Gaussian, same on all
     [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
                                         uncompressed rest (biases, norms, small matrices)
                                         and a non-finite flag
-    P^   = orth(sum P)                  fp32 reduced QR
+    P^   = orth(sum P)                  batched CholeskyQR2 in fp32 (:func:`orthonormalize`)
     Q_i  = M_i^T P^
     [Q]  --SUM-->                       one collective: all Q of the bucket
-    M^   = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
     E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
+    G_i  = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
     Q    = sum Q                        warm start for the next step
+
+Memory: the step makes no copy of the gradients. ``M`` is formed in the gradient buffer
+(which the step overwrites anyway), ``E`` is only read until the end, where the new
+residual is computed in the gradient buffer and selected into ``E``; then ``P^ Qᵀ`` is
+written over it. The matrices of a shape group are addressed as strided ``[k, n, m]``
+views of the gradient buffer (:func:`strided_runs`: equally spaced matrices, as in
+Megatron's buffer where every layer has the same layout, make one view), so every product
+is one batched call per shape group, with no ``[k, n, m]`` temporary. What a step
+allocates is the factors (``P``, ``P^``, ``Q``: ``k (n + m) r`` each), the collective
+buffers and ``[k, r, r]`` Gram matrices (``tests/test_powersgd.py`` measures it).
+Gradients in another dtype than fp32, or not contiguous, take a stacked fp32 copy.
 
 With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
 and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
@@ -40,7 +52,9 @@ The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_
 M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
 ``powerSGD_hook`` keeps ``M_i - mean``, whose per-rank part random-walks at full rank.)
 
-Matrices of equal shape are batched (one ``bmm`` per shape). A matrix is compressed at
+Matrices of equal shape are batched (one call per shape and run of equally spaced
+matrices; no per-matrix loop, no ``torch.linalg.qr``). With ``ef_dtype=torch.bfloat16``
+the residual is kept in bf16 (half the state; its rounding is not fed back). A matrix is compressed at
 rank ``r`` only when ``min(n, m) > r`` and ``(n + m) r · min_rate <= n m``; it then sends
 ``(n + m) r`` instead of ``n m`` elements.
 """
@@ -82,15 +96,130 @@ def seeded_gaussian(seed: int, name: str, tag: str, rows: int, cols: int) -> tor
     return torch.randn(rows, cols, generator=gen, dtype=torch.float32)
 
 
-def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` ([k, n, r] batched), in fp32.
+#: The diagonal shift of the first two CholeskyQR passes, relative to a unit column.
+GRAM_SHIFT = 1e-5
+#: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
+#: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
+ORTHOGONALITY_BOUND = 1e-5
 
-    Householder QR needs no epsilon: an all-zero column yields a unit vector (its
-    reflector is the identity), never a division by zero, and the result is
-    deterministic for identical input, so every DP rank gets the same basis.
+_FILLS: dict = {}
+
+
+def orthonormal_fill(n: int, r: int, device) -> torch.Tensor:
+    """A fixed ``[n, r]`` Gaussian with unit columns, the same on every rank (it depends
+    only on ``(n, r)``); cached per device (``n r`` floats per shape)."""
+    key = (n, r, str(device))
+    fill = _FILLS.get(key)
+    if fill is None:
+        fill = seeded_gaussian(0, "orthonormal-fill", f"{n}x{r}", n, r)
+        fill = (fill / torch.linalg.vector_norm(fill, dim=0, keepdim=True)).to(device)
+        _FILLS[key] = fill
+    return fill
+
+
+class _IeeeFp32Matmul:
+    """fp32 products without TF32 inside (a Gram matrix in TF32 loses the small singular
+    values CholeskyQR depends on); restores the caller's setting. A host flag, no sync."""
+
+    def __enter__(self):
+        matmul = torch.backends.cuda.matmul
+        self.new_api = hasattr(matmul, "fp32_precision")
+        if self.new_api:
+            self.saved = matmul.fp32_precision
+            matmul.fp32_precision = "ieee"
+        else:
+            self.saved = matmul.allow_tf32
+            matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        matmul = torch.backends.cuda.matmul
+        if self.new_api:
+            matmul.fp32_precision = self.saved
+        else:
+            matmul.allow_tf32 = self.saved
+
+
+def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
+    """``x R⁻¹`` with ``RᵀR = xᵀx + shift·I``, batched: one Gram ``bmm``, a batched
+    Cholesky (no error check: no host sync), ``R⁻¹`` from a triangular solve on
+    ``[k, r, r]`` and one ``bmm`` to apply it."""
+    gram = torch.bmm(x.transpose(1, 2), x)
+    if shift:
+        gram = gram + shift * eye
+    lower = torch.linalg.cholesky_ex(gram).L
+    lower_inv = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
+    return torch.bmm(x, lower_inv.transpose(1, 2))
+
+
+def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Orthonormal columns spanning ``p`` ([k, n, r] batched, or one [n, r]), in fp32.
+
+    Batched shifted CholeskyQR3 (Fukaya et al., SISC 2020) with a null-space fill: no
+    per-matrix loop, no ``torch.linalg.qr``, no host sync, no TF32, deterministic (every DP
+    replica gets the same bits):
+
+    1. each matrix is scaled by its largest element (no overflow in the norms), then each
+       column to unit norm: a spectrum that decays from column to column (warm-started
+       PowerSGD's ``P``) becomes well conditioned, and the span is unchanged;
+    2. two CholeskyQR passes with a diagonal shift ``GRAM_SHIFT`` (the Cholesky succeeds
+       whatever the conditioning): each maps a singular value ``σ`` to ``σ/√(σ²+s)``, so
+       after two every direction of ``P`` above ~1e-5 of its norm has singular value
+       ≈ 1 and the directions ``P`` lacks (zero columns, an all-zero ``P`` of a frozen
+       weight, rank below ``r``) are near 0;
+    3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed Gaussian
+       ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
+       has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
+       direction gets a unit vector, as Householder QR gives zero columns;
+    4. one unshifted CholeskyQR pass: orthogonal to ``ORTHOGONALITY_BOUND``.
+
+    Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
+    matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
+    Non-finite input gives non-finite output (the step's non-finite flag handles it).
     """
-    q, _ = torch.linalg.qr(p.float(), mode="reduced")
-    return q
+    squeeze = p.dim() == 2
+    x = p.float().unsqueeze(0) if squeeze else p.float()
+    k, n, r = x.shape
+    if fill is None:
+        fill = orthonormal_fill(n, r, x.device)
+    with _IeeeFp32Matmul():
+        largest = x.abs().amax(dim=(1, 2), keepdim=True)
+        x = x / largest.clamp_min(torch.finfo(torch.float32).tiny)
+        columns = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        x = x / columns.clamp_min(1e-15)
+        eye = torch.eye(r, device=x.device, dtype=x.dtype)
+        x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
+        x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
+        missing = eye - torch.bmm(x.transpose(1, 2), x)
+        missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
+        x = torch.baddbmm(x, fill.expand(k, n, r), missing)
+        x = _cholesky_qr_pass(x, eye, 0.0)
+    return x.squeeze(0) if squeeze else x
+
+
+def strided_runs(mats: Sequence[torch.Tensor], n: int, m: int) -> list:
+    """``[(lo, hi, step)]``: maximal runs of ``mats`` (fp32, contiguous ``n x m`` views of
+    one storage) that sit at equal, increasing distances ``step`` (elements), each run
+    addressable as one ``[hi - lo, n, m]`` view (:func:`run_view`). Host arithmetic on
+    pointers only. Megatron's buffer gives one run per shape for a stack of equal layers."""
+    runs = []
+    lo, step = 0, None
+    size = mats[0].element_size()
+    for j in range(1, len(mats) + 1):
+        if j < len(mats):
+            prev, this = mats[j - 1], mats[j]
+            gap = (this.data_ptr() - prev.data_ptr()) // size
+            if (this.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                    and gap >= n * m and step in (None, gap)):
+                step = gap
+                continue
+        runs.append((lo, j, n * m if step is None else step))
+        lo, step = j, None
+    return runs
+
+
+def run_view(first: torch.Tensor, count: int, step: int, n: int, m: int) -> torch.Tensor:
+    """``count`` matrices ``n x m`` from ``first`` on, ``step`` elements apart, as a view."""
+    return first.as_strided((count, n, m), (step, m, 1), first.storage_offset())
 
 
 @dataclass
@@ -102,7 +231,9 @@ class ShapeGroup:
     indices: list  # positions in the bucket's entry list
     names: list
     q: Optional[torch.Tensor] = None          # [k, m, r] warm start
-    residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback
+    residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback (ef_dtype)
+    runs_key: Optional[tuple] = None          # the gradient addresses the runs were made for
+    runs: Optional[list] = None               # strided_runs() of those addresses
 
 
 @dataclass
@@ -110,7 +241,8 @@ class _Step:
     """What travels from :meth:`start` to :meth:`finish` within one step."""
 
     grads: list
-    m: dict = field(default_factory=dict)      # group key -> M [k, n, m]
+    views: dict = field(default_factory=dict)  # group key -> [(lo, hi, M view), ...]
+    copied: dict = field(default_factory=dict)  # group key -> True: views are a copy
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
     q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
@@ -127,7 +259,8 @@ class BucketCompressor:
     def __init__(self, entries: Sequence[tuple[str, tuple[int, int]]], rank: int, *,
                  min_compression_rate: float = 2.0, seed: int = 0,
                  compress_all: bool = False, device=None,
-                 factor_dtype: torch.dtype = torch.float32):
+                 factor_dtype: torch.dtype = torch.float32,
+                 ef_dtype: torch.dtype = torch.float32):
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.entries = [(name, (int(n), int(m))) for name, (n, m) in entries]
@@ -136,6 +269,7 @@ class BucketCompressor:
         self.compress_all = compress_all  # tests: compress every matrix, even at full rank
         self.device = device
         self.factor_dtype = factor_dtype  # P and Q on the wire; all math in fp32
+        self.ef_dtype = ef_dtype          # the residual kept between steps
         self.rank = rank
         self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
         #: When set, :meth:`finish` adds each group's captured energy per basis column to
@@ -173,7 +307,12 @@ class BucketCompressor:
             else:
                 dense.append(i)
         # Carry Q and residuals of matrices that stay compressed.
+        previous = {tuple(g.names): g for g in self.groups.values()}
         for g in groups.values():
+            same = previous.get(tuple(g.names))
+            if same is not None:  # the same matrices in the same order: keep the tensors
+                g.q, g.residual = same.q, same.residual
+                continue
             if not g.names or not all(name in old for name in g.names):
                 continue
             qs, es = [], []
@@ -258,15 +397,42 @@ class BucketCompressor:
         r = self._rank_for(g)
         g.q = torch.stack([seeded_gaussian(self.seed, name, "init", g.m, r)
                            for name in g.names]).to(device)
-        g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=torch.float32, device=device)
+        g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=self.ef_dtype, device=device)
+
+    def _views(self, g: ShapeGroup, grads: Sequence[torch.Tensor]) -> tuple[list, bool]:
+        """``([(lo, hi, view [hi - lo, n, m])...], copied)``: the group's gradients as
+        strided views of their buffer, or (not fp32, not contiguous) one stacked fp32
+        copy that :meth:`finish` writes back."""
+        mats = [grads[i] for i in g.indices]
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in mats):
+            return [(0, len(mats), torch.stack([t.float() for t in mats]))], True
+        key = tuple(t.data_ptr() for t in mats)
+        if key != g.runs_key:
+            g.runs_key, g.runs = key, strided_runs(mats, g.n, g.m)
+        return [(lo, hi, run_view(mats[lo], hi - lo, step, g.n, g.m))
+                for lo, hi, step in g.runs], False
+
+    def _ef_slices(self, lo: int, hi: int, g: ShapeGroup) -> list:
+        """``[(lo, hi)]`` covering a run: the whole run for an fp32 residual; for another
+        residual dtype, slices of at most :attr:`workspace_bytes` (mixed-dtype elementwise
+        ops may make a cast copy of their input on CPU)."""
+        if self.ef_dtype == torch.float32:
+            return [(lo, hi)]
+        per = max(1, self.workspace_bytes // (g.n * g.m * 4))
+        return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
+
+    #: Bound on the temporaries of mixed-dtype error feedback (see :meth:`_ef_slices`).
+    workspace_bytes = 64 << 20
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, _Step]:
-        """Error feedback and ``P = M Q``; returns the buffers to SUM-reduce: ``[[P... |
-        dense... | flag]]``, or with bf16 factors ``[[P...] (bf16), [dense... | flag]]``
-        (``[[P... | flag]]`` without a dense rest, ``[[dense... | flag]]`` without P).
+        """Error feedback ``G += E`` in the gradients and ``P = M Q``; returns the buffers
+        to SUM-reduce: ``[[P... | dense... | flag]]``, or with bf16 factors ``[[P...]
+        (bf16), [dense... | flag]]`` (``[[P... | flag]]`` without a dense rest,
+        ``[[dense... | flag]]`` without P).
 
-        The flag is 1 where any element of P (in the factor dtype) or of the dense rest is
-        non-finite, else 0; it is computed and written on the device."""
+        From here to :meth:`finish` the compressed gradients hold ``M = G + E``; the
+        compressor's state is not changed. The flag is 1 where any element of P (in the
+        factor dtype) or of the dense rest is non-finite, else 0, decided on the device."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
         device = grads[0].device
@@ -274,10 +440,14 @@ class BucketCompressor:
         for key, g in self.groups.items():
             if g.q is None:
                 self._init_group(g, device)
-            m = torch.stack([grads[i].float() for i in g.indices])
-            m += g.residual
-            step.m[key] = m
-            p_parts.append(torch.bmm(m, g.q).reshape(-1))
+            views, copied = self._views(g, grads)
+            step.views[key], step.copied[key] = views, copied
+            p = torch.empty(len(g.indices), g.n, g.q.shape[2], device=device)
+            for lo, hi, view in views:
+                for a, b in self._ef_slices(lo, hi, g):
+                    view[a - lo:b - lo].add_(g.residual[a:b])
+                torch.bmm(view, g.q[lo:hi], out=p[lo:hi])
+            p_parts.append(p.view(-1))
         for i in self.dense_indices:
             name = self.entries[i][0]
             if name in self._pending_flush:
@@ -313,14 +483,17 @@ class BucketCompressor:
             offset += k * g.n * r
             p_hat = orthonormalize(p)
             step.p_hat[key] = p_hat
-            step.q_local[key] = torch.bmm(step.m[key].transpose(1, 2), p_hat)
+            q_local = torch.empty(k, g.m, r, device=p_hat.device)
+            for lo, hi, view in step.views[key]:
+                torch.bmm(view.transpose(1, 2), p_hat[lo:hi], out=q_local[lo:hi])
+            step.q_local[key] = q_local
             if self.factor_dtype == torch.float32:
-                step.q_sent[key] = step.q_local[key]
-                qs.append(step.q_local[key].reshape(-1))
+                step.q_sent[key] = q_local
+                qs.append(q_local.view(-1))
             else:
-                sent = step.q_local[key].to(self.factor_dtype)
+                sent = q_local.to(self.factor_dtype)
                 step.q_sent[key] = sent.float()
-                qs.append(sent.reshape(-1))
+                qs.append(sent.view(-1))
         if split:  # bf16 factors: the dense rest (and the flag) came in their own buffer
             assert offset == (p_buf.numel() if len(reduced) > 1 else 0)
             dense_buf, offset = reduced[-1], 0
@@ -336,18 +509,16 @@ class BucketCompressor:
         return torch.cat(qs)
 
     def finish(self, step: _Step, reduced_q: torch.Tensor) -> None:
-        """After the second SUM: ``M^ = P^ Q^T`` into the gradients; residual and warm start.
+        """After the second SUM: the residual, then ``M^ = P^ Qᵀ`` into the gradients.
 
-        Both products write where their result lives, with no temporary: ``M^`` straight
-        into each fp32 gradient (``mm(out=)``), and the residual into ``M``'s own storage
-        (``M -= P^ Q_i^T`` as one ``baddbmm``), which this step owns. Bit-identical to the
-        unfused ``bmm``, copy and subtraction on CPU (``tests/test_powersgd.py``);
-        ``bench/compression_math.py`` times both forms.
+        Per run of matrices, in the gradient buffer (which holds ``M``): ``M -= P^ Q_iᵀ``
+        (one in-place ``baddbmm``: the new residual), selected into ``E`` with one
+        ``torch.where(bad, E, ·, out=E)``, then ``P^ Qᵀ`` written over it (``baddbmm``
+        with ``beta=0``). No temporary of the gradients' size.
 
         Where some rank flagged a non-finite value (``step.nonfinite``, on the device) the
-        summed Q is replaced by NaN, so every decompressed gradient is NaN, and the residual
-        and warm start keep their old values: one ``torch.where`` pass over ``E``, in
-        place, on every step (the price of deciding on the device).
+        summed Q is replaced by NaN, so every decompressed gradient is NaN, and ``E`` and
+        the warm start keep their values from before the step, bit for bit.
         """
         bad = step.nonfinite
         offset = 0
@@ -356,25 +527,36 @@ class BucketCompressor:
             q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
             offset += k * g.m * r
             q = q.masked_fill(bad, float("nan"))  # a new tensor: reduced_q stays as it came
-            p_hat = step.p_hat[key]
-            for j, i in enumerate(g.indices):
-                grad = step.grads[i]
-                if grad.dtype == torch.float32 and grad.is_contiguous():
-                    torch.mm(p_hat[j], q[j].transpose(0, 1), out=grad)
-                else:
-                    grad.copy_(torch.mm(p_hat[j], q[j].transpose(0, 1)))
-            if self.track_spectrum:  # reads M: before M becomes the residual
-                self._add_spectrum(key, step.m[key], step.q_local[key], bad)
-            residual = step.m[key].baddbmm_(p_hat, step.q_sent[key].transpose(1, 2), alpha=-1)
-            g.residual = torch.where(bad, g.residual, residual, out=residual)
-            step.m[key] = None  # now the residual
+            p_hat, q_sent = step.p_hat[key], step.q_sent[key]
+            energy = None
+            for lo, hi, view in step.views[key]:
+                if self.track_spectrum:  # ‖M‖², before M becomes the residual
+                    part = torch.linalg.vector_norm(view).double() ** 2
+                    energy = part if energy is None else energy + part
+                view.baddbmm_(p_hat[lo:hi], q_sent[lo:hi].transpose(1, 2), alpha=-1)
+                for a, b in self._ef_slices(lo, hi, g):
+                    if self.ef_dtype == torch.float32:
+                        torch.where(bad, g.residual[a:b], view[a - lo:b - lo],
+                                    out=g.residual[a:b])
+                    else:
+                        g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
+                                                          view[a - lo:b - lo]))
+                view.baddbmm_(p_hat[lo:hi], q[lo:hi].transpose(1, 2), beta=0)
+            if step.copied[key]:  # gradients not fp32: write the stacked result back
+                (_, _, stacked), = step.views[key]
+                for j, i in enumerate(g.indices):
+                    step.grads[i].copy_(stacked[j])
+            if self.track_spectrum:
+                self._add_spectrum(key, energy, step.q_local[key], bad)
             g.q = torch.where(bad, g.q, q)
+            step.views[key] = None
         assert offset == reduced_q.numel()
 
-    def _add_spectrum(self, key, m: torch.Tensor, q_local: torch.Tensor,
+    def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,
                       bad: torch.Tensor) -> None:
         """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of Mᵀ P^, steps]`` for one
-        group, on the device (``bad``: the step's non-finite flag; such a step adds 0).
+        group, on the device (``total``: ``Σ‖M‖²`` in float64; ``bad``: the step's
+        non-finite flag; such a step adds 0).
 
         ``P^`` is orthonormal, so column ``j`` of ``Q_local = Mᵀ P^`` carries exactly the
         energy ``‖Mᵀ p_j‖²`` the step captures in direction ``p_j``, and ``‖M‖² − Σ_j`` of
@@ -383,7 +565,6 @@ class BucketCompressor:
         rank up to the current one, at the cost of one pass over ``Q_local``.
         """
         cols = (q_local.float() ** 2).sum(dim=1).sort(dim=1, descending=True).values.sum(0)
-        total = (m.float() ** 2).sum().double()
         good = bad.logical_not().view(())
         total, cols = torch.where(good, total, 0.0), torch.where(good, cols.double(), 0.0)
         entry = self.spectrum.get(key)
@@ -402,8 +583,14 @@ class BucketCompressor:
         for g in self.groups.values():
             if g.residual is None:
                 continue
-            for j, i in enumerate(g.indices):
-                grads[i].add_(g.residual[j].to(grads[i].dtype))
+            views, copied = self._views(g, grads)
+            if copied:
+                for j, i in enumerate(g.indices):
+                    grads[i].add_(g.residual[j].to(grads[i].dtype))
+            else:
+                for lo, hi, view in views:
+                    for a, b in self._ef_slices(lo, hi, g):
+                        view[a - lo:b - lo].add_(g.residual[a:b])
             g.residual.zero_()
         for i, (name, _) in enumerate(self.entries):
             if name in self._pending_flush:
@@ -439,7 +626,8 @@ class BucketCompressor:
             if ok:
                 dev = device if device is not None else self.device
                 g.q = torch.stack([mats[name]["q"] for name in g.names]).to(dev)
-                g.residual = torch.stack([mats[name]["residual"] for name in g.names]).to(dev)
+                g.residual = torch.stack([mats[name]["residual"] for name in g.names]).to(
+                    dev, self.ef_dtype)
             else:
                 mismatched += [name for name in g.names if name in mats]
                 g.q = g.residual = None
