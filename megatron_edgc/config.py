@@ -417,6 +417,9 @@ class EdgcConfig:
                                      "paired against fp32 on three testbeds x 3 seeds the val "
                                      "loss differed inside the seed spread (BENCHMARKS.md)",
                              choices=("fp32", "bf16"))
+    ef_dtype: str = knob("fp32", "dtype of the PowerSGD error-feedback residual kept between "
+                                 "steps: bf16 halves that state (its rounding is not fed "
+                                 "back); checkpointed with it", choices=("fp32", "bf16"))
     link_gbps: Optional[float] = knob(None, "bypass: declare the DP all-reduce rate in Gbit/s "
                                             "instead of measuring it", min=0.0,
                                       min_exclusive=True)

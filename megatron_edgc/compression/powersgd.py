@@ -388,6 +388,12 @@ class BucketCompressor:
     def _factor_size(self) -> int:
         return torch.finfo(self.factor_dtype).bits // 8
 
+    def state_bytes(self) -> int:
+        """What stays between steps: residuals (``ef_dtype``) and warm-start Q (fp32)."""
+        ef = torch.finfo(self.ef_dtype).bits // 8
+        return sum(len(g.indices) * (g.n * g.m * ef + g.m * self._rank_for(g) * 4)
+                   for g in self.groups.values())
+
     def dense_numel(self) -> int:
         return sum(n * m for _, (n, m) in self.entries)
 

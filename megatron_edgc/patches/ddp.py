@@ -158,7 +158,8 @@ class DPGradientCompression:
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
-                 link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32):
+                 link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
+                 ef_dtype: torch.dtype = torch.float32):
         features.require("ddp")
         # megatron-core 0.16.x: start/finish_grad_sync(force_all_reduce=False) and a
         # first-batch mode; 0.13.x-0.15.x: no argument, no first-batch mode.
@@ -173,6 +174,7 @@ class DPGradientCompression:
         self.sync_end_hook: Optional[Callable[[], None]] = None  # after each group's sync
         self.compressors: dict[str, BucketCompressor] = {}
         self._bucket_key: dict[int, str] = {}
+        self._buckets: dict = {}
         self._bucket_bytes: dict[str, int] = {}
         self.bucket_groups = []
         self.bypass = bypass
@@ -190,8 +192,10 @@ class DPGradientCompression:
                     entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
                         entries, rank or 1, min_compression_rate=min_compression_rate,
-                        seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype)
+                        seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype,
+                        ef_dtype=ef_dtype)
                     self._bucket_key[id(bucket)] = key
+                    self._buckets[key] = bucket
                     self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
                 self._patch(group)
                 self.bucket_groups.append(group)
@@ -286,8 +290,9 @@ class DPGradientCompression:
                 scratch = BucketCompressor(comp.entries, rank,
                                            min_compression_rate=comp.min_compression_rate,
                                            seed=self.seed, device=comp.device,
-                                           factor_dtype=comp.factor_dtype)
-                grads = [torch.randn(n, m, device=comp.device) for _, (n, m) in comp.entries]
+                                           factor_dtype=comp.factor_dtype,
+                                           ef_dtype=comp.ef_dtype)
+                grads = self._scratch_grads(key)
 
                 def once():
                     bufs, step = scratch.start(grads)
@@ -304,6 +309,18 @@ class DPGradientCompression:
             b = max(0.0, (t1 - t2) / (r1 - r2))
             model[key] = (t1 - b * r1, b)
         return model
+
+    def _scratch_grads(self, key: str) -> list:
+        """Random gradients laid out as bucket ``key``'s (views of one buffer at the same
+        offsets), so the timed step takes the strided path the real one takes."""
+        bucket = self._buckets[key]
+        scratch = torch.randn_like(bucket.grad_data, dtype=torch.float32)
+        base, size = bucket.grad_data.data_ptr(), bucket.grad_data.element_size()
+        grads = []
+        for (_, shape), p in zip(self.compressors[key].entries, bucket.params_list):
+            start = (p.main_grad.data_ptr() - base) // size
+            grads.append(scratch[start:start + p.numel()].view(shape))
+        return grads
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -357,6 +374,10 @@ class DPGradientCompression:
                 key = self._bucket_key[id(bucket)]
                 names = [name for name, _ in self.compressors[key].entries]
                 yield key, list(zip(names, bucket.params_list))
+
+    def state_bytes(self) -> int:
+        """Error-feedback residuals and warm-start Q of this rank at the current rank."""
+        return sum(c.state_bytes() for c in self.compressors.values())
 
     def dense_bytes_per_iteration(self) -> int:
         return sum(_bucket_grad_bytes(b) for g in self.bucket_groups for b in g.buckets)

@@ -67,7 +67,10 @@ class EdgcRuntime:
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
-                factor_dtype=FACTOR_DTYPES[e.factor_dtype])
+                factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype])
+            self.log(f"EDGC: error-feedback state {self.dp_compression.state_bytes() / 2**20:.1f}"
+                     f" MiB per rank at rank {e.rank} ({e.ef_dtype} residual, "
+                     f"{e.factor_dtype} factors)")
             register_rank_state("dp_compression", self.dp_compression.state_dict,
                                 self.dp_compression.load_state_dict)
         # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.

@@ -1,0 +1,148 @@
+"""One compressed step, phase by phase, for the before/after of issue 33 (shared by
+``bench/compression_math.py`` on CPU and ``bench/gpu_kernels.py`` on a GPU).
+
+The gradients are views of one flat fp32 buffer in the model's parameter order, as
+megatron-core lays out a bucket (every layer alike, so each shape's matrices are equally
+spaced). ``after`` is :class:`~megatron_edgc.compression.powersgd.BucketCompressor`;
+``before`` is :class:`bench.step_before.BeforeBucketCompressor` (stacked copy of the
+gradients, ``torch.linalg.qr``). One DP rank: the collectives are left out.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from bench.roofline import floor_ms, step_floor
+from bench.step_before import BeforeBucketCompressor, householder_orthonormalize
+from megatron_edgc.compression.powersgd import BucketCompressor, orthonormalize
+
+METHODS = {"after": (BucketCompressor, orthonormalize),
+           "before": (BeforeBucketCompressor, householder_orthonormalize)}
+
+
+class Timer:
+    """Milliseconds of ``fn()``: CUDA events on the current stream, or the host clock."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def flat_grads(shapes, device) -> tuple[torch.Tensor, list]:
+    """Matrix views ``(n, m)`` of one flat buffer, in ``shapes``' order."""
+    total = sum(n * m for n, m in shapes)
+    buf = torch.empty(total, device=device)
+    views, off = [], 0
+    for n, m in shapes:
+        views.append(buf[off:off + n * m].view(n, m))
+        off += n * m
+    return buf, views
+
+
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup: int,
+                factor_dtype=torch.float32, ef_dtype=torch.float32,
+                min_compression_rate: float = 2.0) -> dict:
+    """Median ms of each phase (start, orth, middle without orth, finish) and the step,
+    the step's spread, and memory: the error-feedback state and the step's transient
+    (peak minus what stays between steps; CUDA allocator, or peak RSS on Linux CPUs)."""
+    cls, orth = METHODS[method]
+    device = torch.device(device)
+    entries = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    kwargs = {"ef_dtype": ef_dtype} if method == "after" else {}
+    comp = cls(entries, rank, min_compression_rate=min_compression_rate, seed=0, device=device,
+               factor_dtype=factor_dtype, **kwargs)
+    buf, grads = flat_grads(shapes, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    source = torch.randn(buf.numel(), device=device, generator=gen)
+    timer = Timer(device)
+    state = {}
+
+    def start():
+        state["bufs"], state["step"] = comp.start(grads)
+
+    def middle():
+        state["q"] = comp.middle(state["step"], state["bufs"])
+
+    def finish():
+        comp.finish(state["step"], state["q"])
+
+    buf.copy_(source)
+    start(); middle(); finish()  # noqa: E702  (the first step allocates E and Q)
+    ps = [torch.randn(len(g.indices), g.n, comp._rank_for(g), device=device, generator=gen)
+          for g in comp.groups.values()]
+    phases = {"start": [], "orth": [], "middle": [], "finish": [], "step": []}
+    for i in range(warmup + repeats):
+        buf.copy_(source)
+        t = {"start": timer(start), "middle": timer(middle), "finish": timer(finish),
+             "orth": timer(lambda: [orth(p) for p in ps])}
+        if i >= warmup:
+            for key, ms in t.items():
+                phases[key].append(ms)
+            phases["step"].append(t["start"] + t["middle"] + t["finish"])
+    out = {key: statistics.median(v) for key, v in phases.items()}
+    out["middle"] = max(0.0, out["middle"] - out["orth"])  # the middle without the QR
+    out["step_min"], out["step_max"] = min(phases["step"]), max(phases["step"])
+    out["ef_state_bytes"] = comp.state_bytes()
+    buf.copy_(source)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start(); middle(); finish()  # noqa: E702
+        torch.cuda.synchronize()
+        out["transient_bytes"] = torch.cuda.max_memory_allocated() - resident
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            resident = _rss_mib("VmRSS")
+            start(); middle(); finish()  # noqa: E702
+            out["transient_bytes"] = (_rss_mib("VmHWM") - resident) * 2**20
+        except OSError:
+            pass
+    out["groups"] = [(g.n, g.m, len(g.indices)) for g in comp.groups.values()]
+    return out
+
+
+def compare(shapes, rank: int, device, peaks: dict, *, repeats: int, warmup: int,
+            factor_dtype=torch.float32, ef_dtype=torch.float32, methods=("before", "after"),
+            min_compression_rate: float = 2.0) -> dict:
+    """Before and after, alternating repetitions in one run, with the floor of each phase."""
+    runs = {}
+    for method in methods:
+        runs[method] = time_method(method, shapes, rank, device, repeats=repeats,
+                                   warmup=warmup, factor_dtype=factor_dtype,
+                                   ef_dtype=ef_dtype if method == "after" else torch.float32,
+                                   min_compression_rate=min_compression_rate)
+    groups = runs[methods[-1]]["groups"]
+    ef_bytes = torch.finfo(ef_dtype).bits // 8
+    factor_bytes = torch.finfo(factor_dtype).bits // 8
+    floors = floor_ms(step_floor(groups, rank, ef_bytes=ef_bytes, factor_bytes=factor_bytes),
+                      peaks)
+    residual = sum(n * m * k for n, m, k in groups) * ef_bytes
+    return {"runs": runs, "floor_ms": floors, "residual_bytes": residual,
+            "matrices": sum(k for _, _, k in groups),
+            "shapes": [list(s) for s in Counter(map(tuple, shapes)).items()]}
