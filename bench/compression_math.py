@@ -11,9 +11,8 @@ r_max, one DP rank, so every collective is a no-op):
 * ``ours``: one :class:`BucketCompressor` over the whole gradient, ``start`` → ``middle``
   → ``finish`` (error feedback, ``P = M Q``, QR, ``Q = Mᵀ P^``, ``M^ = P^ Qᵀ`` into the
   gradients, the local residual ``M − P^ Q_iᵀ``): four products per matrix.
-* ``ours, unfused finish``: the same with the finish as it was before this benchmark
-  (``bmm`` into a temporary, a copy per gradient, ``M − bmm`` into a new tensor): the
-  before/after of the fused finish, bit-identical results (tests/test_powersgd.py).
+* ``ours, before issue 33``: the step as it was (a stacked copy of the gradients,
+  ``torch.linalg.qr``, one ``mm`` per matrix; ``bench/step_before.py``).
 * ``hook``: ``torch.nn.parallel.DistributedDataParallel`` with PyTorch's
   ``powerSGD_hook`` (same rank, error feedback, warm start, same compression rule) on a
   world-1 gloo group, timed as one backward pass of a model whose parameters have the
@@ -42,28 +41,15 @@ sys.path.insert(0, ROOT)
 
 from bench.report import write_section  # noqa: E402
 from bench.slow_links import CONFIGS, PURE_DP  # noqa: E402
+from bench.roofline import PHASES, measure_peaks  # noqa: E402
+from bench.step_before import BeforeBucketCompressor  # noqa: E402
+from bench.step_phases import compare  # noqa: E402
 from megatron_edgc.compression.powersgd import (BucketCompressor, is_compressible,  # noqa: E402
                                                 matrix_shape)
 from megatron_edgc.config import parse_config  # noqa: E402
 from megatron_edgc.model_shapes import stage_param_shapes  # noqa: E402
 
 MIN_COMPRESSION_RATE = 2.0
-
-
-class UnfusedFinish(BucketCompressor):
-    """``finish`` as it was before the fused one (the before of the before/after)."""
-
-    def finish(self, step, reduced_q):
-        offset = 0
-        for key, g in self.groups.items():
-            k, r = len(g.indices), self._rank_for(g)
-            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
-            offset += k * g.m * r
-            approx = torch.bmm(step.p_hat[key], q.transpose(1, 2))
-            for j, i in enumerate(g.indices):
-                step.grads[i].copy_(approx[j])
-            g.residual = step.m[key] - torch.bmm(step.p_hat[key], step.q_sent[key].transpose(1, 2))
-            g.q = q.clone()
 
 
 def config_shapes(config_file: str) -> list:
@@ -77,7 +63,12 @@ class Ours:
         self.comp = cls(self.entries, rank, min_compression_rate=MIN_COMPRESSION_RATE, seed=1)
         gen = torch.Generator().manual_seed(0)
         self.sources = [[torch.randn(*s, generator=gen) for _, s in self.entries] for _ in range(2)]
-        self.grads = [torch.empty(*s) for _, s in self.entries]
+        total = sum(n * m for _, (n, m) in self.entries)  # one flat buffer, as Megatron's
+        flat, offsets = torch.empty(total), [0]
+        for _, (n, m) in self.entries:
+            offsets.append(offsets[-1] + n * m)
+        self.grads = [flat[a:b].view(*s) for (_, s), a, b in
+                      zip(self.entries, offsets, offsets[1:])]
         self.calls = 0
 
     def __call__(self) -> float:
@@ -139,8 +130,8 @@ def measure(config: str, repeats: int) -> dict:
     shapes = config_shapes(config_file)
     mats = [s for s in shapes if len(s) == 2]
     compressed = [s for s in mats if is_compressible(*s, r_max, MIN_COMPRESSION_RATE)]
-    variants = {"ours": Ours(shapes, r_max), "ours, unfused finish": Ours(shapes, r_max,
-                                                                          UnfusedFinish),
+    variants = {"ours": Ours(shapes, r_max), "ours, before issue 33": Ours(
+                    shapes, r_max, BeforeBucketCompressor),
                 "hook": Hook(shapes, r_max, True), "plain all-reduce hook": Hook(shapes, r_max,
                                                                                   False)}
     for fn in variants.values():  # warm-up: first Q, the hook's two plain iterations
@@ -153,15 +144,62 @@ def measure(config: str, repeats: int) -> dict:
     hook_math = [h - p for h, p in zip(times["hook"], times["plain all-reduce hook"])]
     return {"config": config, "rank": r_max, "matrices": len(mats), "compressed": len(compressed),
             "times": times, "hook_math": hook_math,
-            "fused_vs_unfused": [a / b for a, b in zip(times["ours"],
-                                                      times["ours, unfused finish"])],
+            "after_vs_before": [a / b for a, b in zip(times["ours"],
+                                                     times["ours, before issue 33"])],
             "ours_vs_hook": [a / b for a, b in zip(times["ours"], hook_math)]}
+
+
+ROOFLINE_SHARDS = {"12.1b TP8·PP4 stage 0, hidden/4": ("gpt2-12.1b-h100x64", 4),
+                   "2.5b TP4·PP2 stage 0, hidden/4": ("gpt2-2.5b-v100x32", 4)}
+
+
+def roofline(ranks, repeats: int, threads: int) -> str:
+    """Each phase of the step before and after issue 33 against its floor, on this CPU."""
+    from bench.gpu_kernels import shard_shapes
+
+    peaks = measure_peaks("cpu", copy_mib=256, matmul_n=2048, repeats=5)
+    rows = []
+    for label, (cluster, scale) in ROOFLINE_SHARDS.items():
+        mats, rest, _ = shard_shapes(cluster, scale)
+        shapes = mats + [(1, rest)]
+        for rank in ranks:
+            r = compare(shapes, rank, "cpu", peaks, repeats=repeats, warmup=1)
+            fl = r["floor_ms"]
+            for method in ("before", "after"):
+                run = r["runs"][method]
+                cells = [f"{run[p]:.1f} / {fl[p]:.1f} = **{run[p] / fl[p]:.1f}x**"
+                         for p in PHASES]
+                tr = run.get("transient_bytes")
+                rows.append(f"| {label} ({r['matrices']} matrices) | r{rank} | {method} | "
+                            + " | ".join(cells)
+                            + f" | {run['step']:.1f} [{run['step_min']:.1f}–{run['step_max']:.1f}]"
+                            f" / {fl['step']:.1f} = **{run['step'] / fl['step']:.1f}x** | "
+                            f"{run['ef_state_bytes'] / 2**20:.0f} | "
+                            f"{'–' if tr is None else f'{tr / 2**20:.0f}'} |")
+                print(rows[-1], flush=True)
+    return "\n".join([
+        f"This CPU, {threads} torch thread(s): copy {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"(read + write, {peaks['copy_mib']} MiB fp32), matmul "
+        f"{peaks['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s (fp32, {peaks['matmul_n']}³), "
+        "measured in the same run. Floors from `bench/roofline.py` (bytes a step must move, "
+        "flops it must do, per phase); each cell is measured ms / floor ms = ratio, median of "
+        f"{repeats} steps (the step's min–max in brackets). `before`: the step before issue "
+        "33 (stacked copy of the gradients, `torch.linalg.qr`); `after`: today's. Gradients "
+        "are views of one flat buffer in layer order, as megatron-core's bucket. Transient: "
+        "peak RSS during one step minus the resident set before it.",
+        "",
+        "| shard | rank | step | start | orthogonalization | middle (without it) | finish "
+        "| whole step | EF state MiB | transient MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows, "", "<!-- notes -->"])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--roofline-ranks", type=int, nargs="*", default=[16, 64],
+                   help="ranks of the before/after roofline table (none: skip it)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: each of the benchmark's 4 ranks has half a core)")
     args = p.parse_args()
@@ -175,18 +213,22 @@ def main() -> int:
         m = measure(config, args.repeats)
         t = m["times"]
         rows.append(f"| {config} | r{m['rank']} ({m['compressed']} of {m['matrices']} matrices) "
-                    f"| {spread(m['fused_vs_unfused'])}x | {spread(m['ours_vs_hook'])}x "
-                    f"| {spread(t['ours'], '{:.1f}')} | {spread(t['ours, unfused finish'], '{:.1f}')}"
+                    f"| {spread(m['after_vs_before'])}x | {spread(m['ours_vs_hook'])}x "
+                    f"| {spread(t['ours'], '{:.1f}')} | {spread(t['ours, before issue 33'], '{:.1f}')}"
                     f" | {spread(m['hook_math'], '{:.1f}')} |")
         print(rows[-1], flush=True)
     dist.destroy_process_group()
+    if args.roofline_ranks:
+        write_section("compression_floor", "The compressed step against its floor (issue 33)",
+                      "python bench/compression_math.py " + " ".join(sys.argv[1:]),
+                      roofline(args.roofline_ranks, args.repeats, args.threads))
     body = "\n".join([
         f"One process, {args.threads} torch thread(s), {args.repeats} repetitions (variants "
         "alternating); the whole pure-DP gradient of each config, one DP rank (collectives "
         "are no-ops). CPU time of the process, median [min–max]; ratios paired within a "
         "repetition. The ms columns are context for the ratios, not absolute claims.",
         "",
-        "| config | rank | ours fused / ours unfused | ours / hook | ours ms | ours unfused ms "
+        "| config | rank | ours / ours before issue 33 | ours / hook | ours ms | before ms "
         "| hook math ms (backward with powerSGD_hook − with the plain hook) |",
         "|---|---|---|---|---|---|---|",
         *rows,

@@ -20,6 +20,13 @@ the current stream (read after a synchronize), the median of ``--repeats`` after
 elements and the Gaussian estimate) and the memory of the error-feedback state (the
 residual and warm-start Q kept between steps) and the peak of one step.
 
+Then the before/after of issue 33 (``--methods before after``): the step of before it
+(stacked copy of the gradients, ``torch.linalg.qr``) and today's, each phase (start,
+orthogonalization, middle, finish) against its floor (``bench/roofline.py``, with the
+device's copy and fp32 matmul rates measured in the same run), for fp32/bf16 factors and
+fp32/bf16 error feedback (``--ef-dtypes``), with the error-feedback state and the step's
+transient memory (``max_memory_allocated`` minus what stays between steps).
+
 ``--scale k`` divides hidden and ffn sizes by ``k`` (CPU dry runs; the report says so).
 ``--report FILE.json`` writes the BENCHMARKS.md section from a JSON of a GPU run (the lent
 machine returns only files): ``bench/results/gpu_kernels_h100.json`` is the H100 one, and
@@ -43,6 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.model import CLUSTERS, shard_matrices  # noqa: E402
+from bench.roofline import PHASES, measure_peaks  # noqa: E402
+from bench.step_phases import compare  # noqa: E402
 from megatron_edgc.compression.powersgd import (FACTOR_DTYPES, BucketCompressor,  # noqa: E402
                                                 orthonormalize)
 from megatron_edgc.control.entropy import GradientSampler, estimate_entropy  # noqa: E402
@@ -172,6 +181,32 @@ def time_ops(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup)
     return dict(totals)
 
 
+def floor_rows(shapes, args, device, peaks) -> list:
+    """Before/after issue 33 per rank, factor dtype and error-feedback dtype, each phase
+    against its floor (``bench/step_phases.py``)."""
+    rows = []
+    for dtype in args.dtypes:
+        for rank in args.ranks:
+            for ef in args.ef_dtypes:
+                methods = [m for m in args.methods if m == "after" or ef == "fp32"]
+                if not methods:
+                    continue
+                r = compare(shapes, rank, device, peaks, repeats=args.repeats,
+                            warmup=args.warmup, factor_dtype=FACTOR_DTYPES[dtype],
+                            ef_dtype=FACTOR_DTYPES[ef], methods=methods)
+                for method, run in r["runs"].items():
+                    run.pop("groups", None)
+                    rows.append({"rank": rank, "factor_dtype": dtype, "ef_dtype": ef,
+                                 "method": method, **run, "floor_ms": r["floor_ms"],
+                                 "residual_bytes": r["residual_bytes"]})
+                    print(f"floor r{rank} {dtype} factors {ef} EF {method}: step "
+                          f"{run['step']:.2f} ms / floor {r['floor_ms']['step']:.2f} ms, "
+                          f"transient {run.get('transient_bytes', 0) / 2**20:.0f} MiB", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 def time_entropy(mats, rest: int, device, timer, repeats, warmup,
                  grad_sample_rate: float = 0.25, iter_sample_rate: float = 0.1) -> dict:
     numel = sum(n * m for n, m in mats) + rest
@@ -215,6 +250,30 @@ def render(report: dict, json_path: str) -> str:
                      f"{ent['measured_iteration_ms']:.2f} ms per sampled iteration, "
                      f"{ent['per_iteration_ms']:.3f} ms per iteration on average "
                      f"({ent['numel'] / 1e6:.0f} M elements).")
+    floor_lines = []
+    for key, entry in report["configs"].items():
+        for row in entry.get("floor", []):
+            fl = row["floor_ms"]
+            cells = " | ".join(f"{row[p]:.2f} / {fl[p]:.2f} ({row[p] / fl[p]:.1f}x)"
+                               for p in PHASES)
+            tr = row.get("transient_bytes")
+            floor_lines.append(
+                f"| {key} | r{row['rank']} | {row['factor_dtype']} | {row['ef_dtype']} | "
+                f"{row['method']} | {cells} | **{row['step']:.2f}** / {fl['step']:.2f} "
+                f"(**{row['step'] / fl['step']:.1f}x**) | {row['ef_state_bytes'] / 2**20:.0f} | "
+                f"{'–' if tr is None else f'{tr / 2**20:.0f}'} |")
+    if floor_lines:
+        pk = report["peaks"]
+        notes.append("")
+        notes.append(f"**The step against its floor (issue 33).** Copy "
+                     f"{pk['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp32 matmul "
+                     f"{pk['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, measured in the same "
+                     "run; floors from `bench/roofline.py`; cells: measured ms / floor ms.")
+        notes.append("")
+        notes.append("| config | rank | factors | EF | step | start | orthogonalization | "
+                     "middle (without it) | finish | whole step | EF state MiB | transient MiB |")
+        notes.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        notes.extend(floor_lines)
     scale = report.get("scale", 1)
     head = (f"Device **{report['device']}**, torch {report['torch']}, measured "
             f"{report['date']}; median of {report['repeats']} steps (CUDA events; the "
@@ -249,6 +308,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-ops", action="store_true", help="skip the per-kernel breakdown")
+    ap.add_argument("--methods", nargs="*", default=["before", "after"],
+                    choices=["before", "after"],
+                    help="steps of the floor table (none: skip it): before/after issue 33")
+    ap.add_argument("--ef-dtypes", nargs="+", default=["fp32", "bf16"],
+                    choices=list(FACTOR_DTYPES), help="error-feedback dtypes of 'after'")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--report", metavar="JSON", default=None,
                     help="only write the BENCHMARKS.md section of an earlier run's JSON")
@@ -284,6 +348,10 @@ def main(argv=None) -> int:
                          if "ef_state_bytes" in row else ""), flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if args.methods:
+            peaks = report.setdefault("peaks", measure_peaks(device) if device.type == "cuda"
+                                      else measure_peaks(device, 64, 1024, 2))
+            entry["floor"] = floor_rows(mats + [(1, rest)], args, device, peaks)
         entry["entropy"] = time_entropy(mats, rest, device, timer, args.repeats, args.warmup)
         print(f"{key} entropy sample: {entry['entropy']['measured_iteration_ms']:.2f} ms per "
               f"measured iteration", flush=True)

@@ -120,6 +120,31 @@ def kernel_s(kernels: dict, config_key: str, rank: int, factor_dtype: str = "fp3
     return pts[-1][1] / 1e3
 
 
+#: The H100 peaks the new step's floor is turned into time with: the device copy measured
+#: on the lent H100 (2026-11-24, FINDINGS.md) and fp32 matmul without TF32 (declared:
+#: 206 GFLOP in 3.4 ms, issue 33). A bound, not a measurement.
+H100_PEAKS = {"copy_bytes_per_s": 3.0e12, "matmul_flops_per_s": 60e12}
+
+
+def floor_kernels(kernels: dict, peaks: dict = H100_PEAKS) -> dict:
+    """``kernels`` with each step's time replaced by the step's roofline floor
+    (``bench/roofline.py``) on ``peaks``, per config, rank and factor dtype."""
+    import copy
+
+    from bench.roofline import floor_ms, step_floor
+
+    out = copy.deepcopy(kernels)
+    for entry in out["configs"].values():
+        groups = [(n, m, k) for n, m, k in entry["shapes"]]
+        for run in entry["runs"]:
+            fb = 2 if run["factor_dtype"] == "bf16" else 4
+            compressed = [(n, m, k) for n, m, k in groups
+                          if is_compressible(n, m, run["rank"], 2.0)]
+            run["total"] = floor_ms(step_floor(compressed, run["rank"], factor_bytes=fb),
+                                    peaks)["step"]
+    return out
+
+
 def entropy_s(kernels: dict, config_key: str) -> float:
     """The entropy sampler's mean seconds per iteration (sampled iterations amortized)."""
     return kernels["configs"][config_key]["entropy"]["per_iteration_ms"] / 1e3
@@ -236,11 +261,19 @@ def main() -> int:
              "| compression pays below |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
-    for key, cluster in CLUSTERS.items():
-        r = results[key] = predict(cluster, schedule, kernels)
+    variants = [("measured kernels of the step before issue 33, "
+                 f"{kernels['device']}, {kernels['date']}", kernels),
+                ("the new step's roofline floor on the H100 (a bound, not a measurement)",
+                 floor_kernels(kernels))]
+    rows = [(key, cluster, label, k) for label, k in variants
+            for key, cluster in CLUSTERS.items()]
+    for key, cluster, label, kern in rows:
+        r = predict(cluster, schedule, kern)
+        if kern is kernels:
+            results[key] = r
         pays = r["pays_below_gbit"]
         lines.append(
-            f"| {cluster.name} | {r['params'] / 1e9:.2f} B | {r['compute_s']:.2f} | "
+            f"| {cluster.name}, {label} | {r['params'] / 1e9:.2f} B | {r['compute_s']:.2f} | "
             f"{r['dense_sync_s']:.3f} | {100 * r['sync_share_dense']:.1f} % | "
             f"{signed(-r['comm_reduction'])} | {signed(-r['comm_reduction_kernels'])} "
             f"({1e3 * r['mean_kernel_s']:.1f} ms) | {signed(-r['time_reduction_kernels'])} | "
