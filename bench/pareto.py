@@ -117,6 +117,16 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [(f"static-r{r_max}-bf16", "static-bf16", seed,
               static + ["--edgc-rank", str(r_max), "--edgc-factor-dtype", "bf16"])
              for seed in range(SEED0, SEED0 + seeds)]
+    # issue 33: the step's batched CholeskyQR and in-place error feedback, with the flags
+    # of static r_max (fp32 factors), paired with static r_max recorded with the old step
+    # (torch.linalg.qr, stacked copy of the gradients) of the same seed
+    runs += [(f"static-r{r_max}-issue33", "static-issue33", seed,
+              static + ["--edgc-rank", str(r_max)])
+             for seed in range(SEED0, SEED0 + seeds)]
+    # issue 33: the error-feedback residual in bf16 (half that state), paired likewise
+    runs += [(f"static-r{r_max}-ef-bf16", "static-ef-bf16", seed,
+              static + ["--edgc-rank", str(r_max), "--edgc-ef-dtype", "bf16"])
+             for seed in range(SEED0, SEED0 + seeds)]
     # Target A's byte limit (60 % of r_max's) spent with twice r_max allowed, stepped and
     # LR-scheduled: room for the shapes whose error curve still pays above r_max
     runs.append((f"budget30-rmax{2 * r_max}-lr-step", "budget", SEED0,
@@ -293,7 +303,8 @@ def plot(testbed: str, agg: dict, path: str) -> None:
         ax.annotate(k.replace("static-", ""), (b / mib, y), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
     styles = {"dense": ("s", "black"), "paper": ("^", "tab:red"), "budget": ("*", "tab:green"),
-              "static-bf16": ("D", "tab:cyan")}
+              "static-bf16": ("D", "tab:cyan"), "static-issue33": ("P", "tab:olive"),
+              "static-ef-bf16": ("X", "tab:purple")}
     for k, v in agg.items():
         if v["controller"] == "static" or SEED0 not in v["by_seed"]:
             continue

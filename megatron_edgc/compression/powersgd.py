@@ -420,11 +420,12 @@ class BucketCompressor:
 
     def _ef_slices(self, lo: int, hi: int, g: ShapeGroup) -> list:
         """``[(lo, hi)]`` covering a run: the whole run for an fp32 residual; for another
-        residual dtype, slices of at most :attr:`workspace_bytes` (mixed-dtype elementwise
-        ops may make a cast copy of their input on CPU)."""
+        residual dtype, slices whose fp32 temporaries (a cast copy of the residual, the
+        selected result) stay within :attr:`workspace_bytes` (mixed-dtype elementwise ops
+        make a cast copy of their input on CPU; one matrix is the least a slice holds)."""
         if self.ef_dtype == torch.float32:
             return [(lo, hi)]
-        per = max(1, self.workspace_bytes // (g.n * g.m * 4))
+        per = max(1, self.workspace_bytes // (2 * g.n * g.m * 4))  # two fp32 temporaries
         return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
 
     #: Bound on the temporaries of mixed-dtype error feedback (see :meth:`_ef_slices`).
