@@ -54,6 +54,23 @@ def flat_grads(shapes, device) -> tuple[torch.Tensor, list]:
     return buf, views
 
 
+def release_freed_heap() -> None:
+    """Make the resident set follow the live large allocations: glibc serves every block
+    of 1 MiB or more with its own mapping from here on (``mallopt(M_MMAP_THRESHOLD)``), so
+    a freed temporary leaves the resident set and a new one faults its pages in, and the
+    heap freed so far goes back to the kernel (``malloc_trim``). Otherwise a temporary
+    that reuses a freed heap block goes unseen, and heap fragmentation shows as use."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _rss_mib(field: str) -> float:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -116,6 +133,7 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
         out["transient_bytes"] = torch.cuda.max_memory_allocated() - resident
     else:
         try:
+            release_freed_heap()
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
             resident = _rss_mib("VmRSS")

@@ -471,6 +471,8 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype):
     at most the factors and collective buffers + a workspace of max(64 MiB, 5 % of the
     residual): no second copy of the gradients. Measured with the kernel's peak-RSS
     reset (/proc/self/clear_refs); a residual-sized allocation is seen by the same probe."""
+    from bench.step_phases import release_freed_heap
+
     torch.set_num_threads(1)
     layer = [("fc1", (1024, 768)), ("fc2", (768, 1024)), ("bias", (1, 1024))]
     layers = 96 if ef_dtype == torch.float32 else 160   # a residual of 288 / 240 MiB
@@ -487,6 +489,7 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype):
     workspace = max(64.0, 0.05 * residual)
 
     def transient(fn):
+        release_freed_heap()  # a reused heap block would fault no new pages
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
         base = _rss_mib("VmRSS")
