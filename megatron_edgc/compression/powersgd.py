@@ -431,6 +431,21 @@ class BucketCompressor:
     #: Bound on the temporaries of mixed-dtype error feedback (see :meth:`_ef_slices`).
     workspace_bytes = 64 << 20
 
+    def _form_m_and_p(self, key, g: ShapeGroup, grads, step: _Step) -> torch.Tensor:
+        """``G += E`` in the group's gradients and ``P = M Q`` ([k, n, r], fp32); records
+        the views ``M`` is held in for :meth:`middle` and :meth:`finish`."""
+        views, copied = self._views(g, grads)
+        step.views[key], step.copied[key] = views, copied
+        p = torch.empty(len(g.indices), g.n, g.q.shape[2], device=g.q.device)
+        for lo, hi, view in views:
+            for a, b in self._ef_slices(lo, hi, g):
+                view[a - lo:b - lo].add_(g.residual[a:b])
+            torch.bmm(view, g.q[lo:hi], out=p[lo:hi])
+        return p
+
+    #: The orthonormalization of the summed P (``bench/step_before.py`` swaps in the old).
+    orthonormalize = staticmethod(orthonormalize)
+
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, _Step]:
         """Error feedback ``G += E`` in the gradients and ``P = M Q``; returns the buffers
         to SUM-reduce: ``[[P... | dense... | flag]]``, or with bf16 factors ``[[P...]
@@ -447,14 +462,7 @@ class BucketCompressor:
         for key, g in self.groups.items():
             if g.q is None:
                 self._init_group(g, device)
-            views, copied = self._views(g, grads)
-            step.views[key], step.copied[key] = views, copied
-            p = torch.empty(len(g.indices), g.n, g.q.shape[2], device=device)
-            for lo, hi, view in views:
-                for a, b in self._ef_slices(lo, hi, g):
-                    view[a - lo:b - lo].add_(g.residual[a:b])
-                torch.bmm(view, g.q[lo:hi], out=p[lo:hi])
-            p_parts.append(p.view(-1))
+            p_parts.append(self._form_m_and_p(key, g, grads, step).view(-1))
         for i in self.dense_indices:
             name = self.entries[i][0]
             if name in self._pending_flush:
@@ -488,7 +496,7 @@ class BucketCompressor:
             k, r = len(g.indices), self._rank_for(g)
             p = p_buf[offset:offset + k * g.n * r].view(k, g.n, r)
             offset += k * g.n * r
-            p_hat = orthonormalize(p)
+            p_hat = self.orthonormalize(p)
             step.p_hat[key] = p_hat
             q_local = torch.empty(k, g.m, r, device=p_hat.device)
             for lo, hi, view in step.views[key]:
