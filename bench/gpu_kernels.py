@@ -51,7 +51,8 @@ sys.path.insert(0, ROOT)
 
 from bench.model import CLUSTERS, shard_matrices  # noqa: E402
 from bench.roofline import PHASES, measure_peaks  # noqa: E402
-from bench.step_phases import compare  # noqa: E402
+from bench.step_phases import Timer as StepTimer  # noqa: E402
+from bench.step_phases import compare, time_method  # noqa: E402
 from megatron_edgc.compression.powersgd import (FACTOR_DTYPES, BucketCompressor,  # noqa: E402
                                                 orthonormalize)
 from megatron_edgc.control.entropy import GradientSampler, estimate_entropy  # noqa: E402
@@ -60,28 +61,16 @@ VOCAB = 50304
 
 
 class Timer:
-    """Milliseconds of a region: CUDA events on the current stream, or the host clock."""
+    """Median milliseconds of a region over ``repeats`` after ``warmup`` calls (CUDA events
+    on the current stream, or the host clock: :class:`bench.step_phases.Timer`)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.once = StepTimer(device)
 
     def __call__(self, fn, repeats: int, warmup: int) -> float:
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeats):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return statistics.median(self.once(fn) for _ in range(repeats))
 
 
 def shard_shapes(cluster_key: str, scale: int) -> tuple[list, int, dict]:
@@ -103,54 +92,18 @@ def shard_shapes(cluster_key: str, scale: int) -> tuple[list, int, dict]:
 
 
 def time_compressor(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup) -> dict:
-    """The three phases of one compressed step on one bucket holding every matrix."""
-    entries = [(f"m{i}", shape) for i, shape in enumerate(mats)]
-    comp = BucketCompressor(entries, rank, device=device, factor_dtype=FACTOR_DTYPES[factor_dtype])
-    gen = torch.Generator(device=device).manual_seed(0)
-    grads = [torch.randn(n, m, device=device, generator=gen) for n, m in mats]
-    originals = [g.clone() for g in grads]
-    state = {}
-
-    def start():
-        state["bufs"], state["step"] = comp.start(grads)
-
-    def middle():
-        state["q"] = comp.middle(state["step"], state["bufs"])
-
-    def finish():
-        comp.finish(state["step"], state["q"])
-
-    def restore():
-        for g, o in zip(grads, originals):
-            g.copy_(o)
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    start(); middle(); finish(); restore()  # noqa: E702  (first step allocates E and Q)
-    memory = {}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        memory = {"ef_state_bytes": torch.cuda.memory_allocated() - base,
-                  "step_peak_bytes": torch.cuda.max_memory_allocated() - base}
-    ef_expected = sum(g.residual.numel() * 4 + g.q.numel() * 4 for g in comp.groups.values())
-    # Phases timed in sequence within each repeated step (the state flows through).
-    phase_ms = {"start": [], "middle": [], "finish": []}
-    for i in range(warmup + repeats):
-        for name, fn in (("start", start), ("middle", middle), ("finish", finish)):
-            ms = timer(fn, 1, 0)
-            if i >= warmup:
-                phase_ms[name].append(ms)
-        restore()
-    out = {k: statistics.median(v) for k, v in phase_ms.items()}
-    out["total"] = sum(out.values())
-    totals = [sum(step) for step in zip(*phase_ms.values())]  # the repetitions' spread
-    out.update(total_min=min(totals), total_max=max(totals))
-    first, second = comp.collective_bytes()
-    out.update(memory, ef_state_expected_bytes=ef_expected, wire_bytes=first + second,
-               dense_bytes=comp.dense_numel() * 4,
-               compressed_matrices=sum(len(g.indices) for g in comp.groups.values()))
+    """The three phases of one compressed step on one bucket holding every matrix (today's
+    step; ``middle`` includes the orthogonalization), and its memory."""
+    run = time_method("after", mats, rank, device, repeats=repeats, warmup=warmup,
+                      factor_dtype=FACTOR_DTYPES[factor_dtype])
+    out = {"start": run["start"], "middle": run["middle"] + run["orth"],
+           "finish": run["finish"], "total": run["step"], "total_min": run["step_min"],
+           "total_max": run["step_max"], "ef_state_bytes": run["ef_state_bytes"],
+           "ef_state_expected_bytes": run["ef_state_bytes"]}
+    if "transient_bytes" in run:  # as before: the step's peak over what preceded the state
+        out["step_peak_bytes"] = run["ef_state_bytes"] + run["transient_bytes"]
+    for key in ("wire_bytes", "dense_bytes", "compressed_matrices"):
+        out[key] = run[key]
     return out
 
 

@@ -142,6 +142,9 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
         except OSError:
             pass
     out["groups"] = [(g.n, g.m, len(g.indices)) for g in comp.groups.values()]
+    first, second = comp.collective_bytes()
+    out.update(wire_bytes=first + second, dense_bytes=comp.dense_numel() * 4,
+               compressed_matrices=sum(len(g.indices) for g in comp.groups.values()))
     return out
 
 
