@@ -503,3 +503,33 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype):
     step = transient(lambda: simulated_step([comp], [grads]))
     assert residual > 2 * (factors + workspace)          # the bound is a real test
     assert step <= factors + workspace, (step, factors, workspace, residual)
+
+
+def test_bf16_error_feedback_halves_the_state_and_round_trips():
+    """``ef_dtype=bf16``: the residual is kept in bf16 (half the state bytes), the step's
+    approximation is the fp32 residual's to bf16 rounding of E, and the state loads into
+    either dtype (a resume that changes --edgc-ef-dtype casts it)."""
+    entries = [("w", (64, 96)), ("v", (64, 96)), ("b", (1, 64))]
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        comp = BucketCompressor(entries, 4, seed=1, ef_dtype=dtype)
+        g = torch.Generator().manual_seed(9)
+        out = []
+        for _ in range(3):
+            grads = [torch.randn(*s, generator=g) for _, s in entries]
+            simulated_step([comp], [grads])
+            out.append(grads[0].clone())
+        runs[dtype] = (comp, out)
+    f32, b16 = runs[torch.float32][0], runs[torch.bfloat16][0]
+    assert b16.groups[(64, 96)].residual.dtype == torch.bfloat16
+    q_bytes = 2 * 96 * 4 * 4
+    assert f32.state_bytes() == 2 * 64 * 96 * 4 + q_bytes
+    assert b16.state_bytes() == 2 * 64 * 96 * 2 + q_bytes
+    for a, b in zip(runs[torch.float32][1], runs[torch.bfloat16][1]):
+        assert (a - b).norm() <= 2e-2 * a.norm()      # bf16 rounding of E, not more
+    for src, dtype in ((b16, torch.float32), (f32, torch.bfloat16)):
+        fresh = BucketCompressor(entries, 4, seed=1, ef_dtype=dtype)
+        assert fresh.load_state_dict(src.state_dict()) == []
+        res = fresh.groups[(64, 96)].residual
+        assert res.dtype == dtype
+        assert torch.equal(res.float(), src.groups[(64, 96)].residual.float().to(dtype).float())
