@@ -171,3 +171,42 @@ def test_interval_clock_times_device_work():
         torch.cuda.synchronize()
     assert 0.0 <= clock.ms(a) < clock.ms(b)
     assert clock.ms(b) - clock.ms(a) > 0.01  # 20 1024^3 products: > 10 µs anywhere
+
+
+def test_orthonormalize_bound_and_strided_step_on_device():
+    """The batched CholeskyQR on the device: the CPU suite's orthogonality bound on zero,
+    rank-deficient and 1e7-conditioned P (TF32 left on by the caller: orthonormalize turns
+    it off inside), and a step on strided views of one flat buffer, as Megatron's bucket,
+    with no host sync (CUDA's sync debug mode raises on one)."""
+    from test_powersgd import _orthogonality_cases, flat_bucket
+
+    from megatron_edgc.compression.powersgd import ORTHOGONALITY_BOUND, orthonormalize
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it
+    gen = torch.Generator().manual_seed(5)
+    for n, r in [(129, 64), (6288, 64)]:
+        for name, p in _orthogonality_cases(n, r, gen).items():
+            q = orthonormalize(p.to(DEVICE))
+            gram = q.transpose(1, 2).double() @ q.double()
+            err = (gram - torch.eye(r, dtype=torch.float64, device=DEVICE)).abs().max().item()
+            assert err <= ORTHOGONALITY_BOUND, (n, r, name, err)
+    layer = [("qkv", (96, 32)), ("fc1", (128, 32)), ("fc2", (32, 128)), ("bias", (1, 32))]
+    entries = [(f"l{i}.{name}", s) for i in range(6) for name, s in layer]
+    comp = BucketCompressor(entries, 4, seed=0, device=DEVICE)
+    buf, grads = flat_bucket(layer, layers=6)
+    buf = buf.to(DEVICE)
+    grads = [buf[v.storage_offset():v.storage_offset() + v.numel()].view(v.shape) for v in grads]
+    buf.normal_()
+    simulated_step([comp], [grads])  # the first step allocates E, Q and the fills
+    buf.normal_()
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        simulated_step([comp], [grads])
+    finally:
+        if DEVICE.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode(0)
+    assert all(len(g.runs) == 1 for g in comp.groups.values())
+    assert all(torch.isfinite(g).all() for g in grads)
