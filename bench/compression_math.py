@@ -186,7 +186,9 @@ def roofline(ranks, repeats: int, threads: int) -> str:
         f"{repeats} steps (the step's min–max in brackets). `before`: the step before issue "
         "33 (stacked copy of the gradients, `torch.linalg.qr`); `after`: today's. Gradients "
         "are views of one flat buffer in layer order, as megatron-core's bucket. Transient: "
-        "peak RSS during one step minus the resident set before it.",
+        "peak RSS during one step minus the resident set before it, with every block of "
+        "1 MiB or more mapped on its own (glibc `M_MMAP_THRESHOLD`), so the resident set "
+        "follows the live temporaries.",
         "",
         "| shard | rank | step | start | orthogonalization | middle (without it) | finish "
         "| whole step | EF state MiB | transient MiB |",
