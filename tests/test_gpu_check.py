@@ -23,7 +23,11 @@ def test_dry_run_passes_every_check(tmp_path):
     assert {"install", "data", "unit", "e2e-tiny-cpu-off", "e2e-tiny-cpu-static",
             "e2e-tiny-cpu-edgc", "gloo4-static-dp", "gloo4-edgc-pp", "kernels",
             "sync"} <= checks.keys()
-    assert "9 passed" in checks["unit"]["summary"]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                "tests/test_cuda.py"], cwd=ROOT, capture_output=True,
+                               text=True, env={**os.environ, "EDGC_TEST_DEVICE": "cpu"})
+    count = sum(1 for line in collected.stdout.splitlines() if "::" in line)
+    assert count >= 10 and f"{count} passed" in checks["unit"]["summary"]
     off, static, edgc = (checks[f"e2e-tiny-cpu-{m}"] for m in ("off", "static", "edgc"))
     for c in (off, static, edgc):
         assert c["ok"] and c["loss_falls"]
