@@ -49,12 +49,7 @@ class BeforeBucketCompressor(BucketCompressor):
         place, on every step (the price of deciding on the device).
         """
         bad = step.nonfinite
-        offset = 0
-        for key, g in self.groups.items():
-            k, r = len(g.indices), self._rank_for(g)
-            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
-            offset += k * g.m * r
-            q = q.masked_fill(bad, float("nan"))  # a new tensor: reduced_q stays as it came
+        for key, g, q in self._summed_qs(reduced_q, bad):
             p_hat = step.p_hat[key]
             for j, i in enumerate(g.indices):
                 grad = step.grads[i]
@@ -70,4 +65,3 @@ class BeforeBucketCompressor(BucketCompressor):
             g.residual = torch.where(bad, g.residual, residual, out=residual)
             step.views[key] = None  # M is now the residual
             g.q = torch.where(bad, g.q, q)
-        assert offset == reduced_q.numel()

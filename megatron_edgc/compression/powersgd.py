@@ -536,12 +536,7 @@ class BucketCompressor:
         the warm start keep their values from before the step, bit for bit.
         """
         bad = step.nonfinite
-        offset = 0
-        for key, g in self.groups.items():
-            k, r = len(g.indices), self._rank_for(g)
-            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
-            offset += k * g.m * r
-            q = q.masked_fill(bad, float("nan"))  # a new tensor: reduced_q stays as it came
+        for key, g, q in self._summed_qs(reduced_q, bad):
             p_hat, q_sent = step.p_hat[key], step.q_sent[key]
             energy = None
             for lo, hi, view in step.views[key]:
@@ -565,6 +560,16 @@ class BucketCompressor:
                 self._add_spectrum(key, energy, step.q_local[key], bad)
             g.q = torch.where(bad, g.q, q)
             step.views[key] = None
+
+    def _summed_qs(self, reduced_q: torch.Tensor, bad: torch.Tensor):
+        """``(key, group, Q [k, m, r] fp32)`` per group from the reduced Q buffer; ``Q`` is a
+        new tensor (``reduced_q`` stays as it came), NaN where ``bad`` is set."""
+        offset = 0
+        for key, g in self.groups.items():
+            k, r = len(g.indices), self._rank_for(g)
+            q = reduced_q[offset:offset + k * g.m * r].view(k, g.m, r).float()
+            offset += k * g.m * r
+            yield key, g, q.masked_fill(bad, float("nan"))
         assert offset == reduced_q.numel()
 
     def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,
