@@ -85,12 +85,14 @@ def _refuse_unsupported(args) -> None:
 
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         refuse("--use-torch-fsdp2/--use-megatron-fsdp", "the patch compresses DDP's buckets")
-    if getattr(args, "num_experts", None):
-        refuse("--num-experts", "expert-parallel buckets are not compressed")
-    if getattr(args, "context_parallel_size", 1) > 1:
-        refuse("--context-parallel-size", "the DP group would include CP")
     if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
-        refuse("--num-distributed-optimizer-instances", "one DP group per bucket is assumed")
+        refuse("--num-distributed-optimizer-instances", "the inter-instance all-reduce of "
+                                                        "each shard is not compressed yet")
+    if getattr(args, "moe_grouped_gemm", False) and \
+            getattr(args, "transformer_impl", "") != "transformer_engine":
+        refuse("--moe-grouped-gemm", "without --transformer-impl transformer_engine Megatron "
+                                     "stacks the experts into one parameter; with it each "
+                                     "expert is its own weight, compressed as its own matrix")
     if getattr(args, "non_persistent_save_interval", None):
         refuse("--non-persistent-save-interval", "EDGC state is saved with persistent "
                                                  "checkpoints only")

@@ -25,6 +25,7 @@ from megatron_edgc.patches.features import (  # noqa: F401
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
               "empty_strided", "as_tensor", "linspace")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 _applied = False
 
 
@@ -49,6 +50,26 @@ def _cpu_factory(fn):
     return wrapper
 
 
+def _cpu_device_method(original, device_first: bool):
+    """A ``Tensor`` method with a CUDA device (``torch.cuda.current_device()``, ``"cuda"``)
+    kept on the CPU: megatron-core's MoE router moves its weight there in every forward
+    (``.to``) and the alltoall dispatcher allocates its output there (``.new_empty``).
+    ``device_first``: the first positional argument may be the device (``to``)."""
+    if getattr(original, "__edgc_cpu_shim__", False):
+        return original
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if device_first and args and _is_cuda_device(args[0]):
+            args = ("cpu",) + args[1:]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return original(self, *args, **kwargs)
+
+    method.__edgc_cpu_shim__ = True
+    return method
+
+
 def _cuda_named_type(original):
     @functools.wraps(original)
     def type_(self, *args, **kwargs):
@@ -61,6 +82,19 @@ def _cuda_named_type(original):
     return type_
 
 
+class NullEvent:
+    """Stands in for a CUDA event on CPU (the MoE alltoall dispatcher synchronizes one)."""
+
+    def synchronize(self):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+    def query(self):
+        return True
+
+
 class NullStream:
     """Stands in for a CUDA stream on CPU, where every operation is already ordered."""
 
@@ -71,7 +105,7 @@ class NullStream:
         return None
 
     def record_event(self, *args, **kwargs):
-        return None
+        return NullEvent()
 
     def wait_event(self, *args, **kwargs):
         return None
@@ -144,6 +178,36 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0,
                 seed + 2718 + 100 + ep_rank * 1000 + etp_rank)
 
 
+def _moe_cpu_shims() -> None:
+    """megatron-core's MoE on CPU (0.16.1 read; each name is checked before it is touched):
+
+    * the router tests ``te_general_gemm is not None`` but, without Transformer Engine,
+      ``moe_utils`` never defines the name: it is defined as None (the torch path runs);
+    * the alltoall dispatcher moves its split sizes to the host with
+      ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only converts CUDA tensors;
+      ``all_to_all_single`` takes no tensor as split sizes: host tensors become numpy too,
+      as CUDA ones do.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if original is None or getattr(original, "__edgc_cpu_shim__", False):
+        return
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__edgc_cpu_shim__ = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None) is original:
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def apply_cpu_shims(allow_untested: bool = False) -> bool:
     """Install the shims if CUDA is absent; returns whether they are active."""
     global _applied
@@ -158,6 +222,9 @@ def apply_cpu_shims(allow_untested: bool = False) -> bool:
             setattr(torch, name, _cpu_factory(fn))
     torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.to = _cpu_device_method(torch.Tensor.to, device_first=True)
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _cpu_device_method(getattr(torch.Tensor, name), False))
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None
     null = NullStream()
@@ -165,5 +232,6 @@ def apply_cpu_shims(allow_untested: bool = False) -> bool:
     torch.cuda.current_stream = lambda *args, **kwargs: null
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     install_cpu_rng_tracker()
+    _moe_cpu_shims()
     _applied = True
     return True

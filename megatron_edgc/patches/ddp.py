@@ -78,6 +78,8 @@ class DPSyncStats:
 
     bytes_sent: int = 0      # bytes placed into DP collectives
     bytes_dense: int = 0     # bytes plain megatron-core would have placed
+    expert_bytes_sent: int = 0   # of those, the expert-parallel buckets' (MoE)
+    expert_bytes_dense: int = 0
     compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
     comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
                              # time the stream waited for them)
@@ -93,12 +95,22 @@ class DPSyncStats:
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
+        self.expert_bytes_sent = self.expert_bytes_dense = 0
         self.bypassed_buckets = 0
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
         self.events = []
         self._intervals, self._nonfinite = [], []
+
+    def add_bytes(self, sent: int, dense: int, expert: bool) -> None:
+        """Count ``sent`` bytes placed into collectives where megatron-core would place
+        ``dense`` (``expert``: an expert-parallel bucket)."""
+        self.bytes_sent += sent
+        self.bytes_dense += dense
+        if expert:
+            self.expert_bytes_sent += sent
+            self.expert_bytes_dense += dense
 
     def add_time(self, name: str, start) -> None:
         """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
@@ -140,8 +152,73 @@ def _bucket_grad_bytes(bucket) -> int:
     return bucket.grad_data.numel() * bucket.grad_data.element_size()
 
 
+def reduction_group(bucket_group):
+    """The process group megatron-core reduces ``bucket_group`` on: the one it was built
+    with (``_ParamAndGradBucketGroup.__init__``), kept as
+    ``intra_distributed_optimizer_instance_group`` with the distributed optimizer and as
+    ``data_parallel_group`` without. DDP builds dense buckets on the DP×CP group and
+    expert-parallel ones (MoE) on the expert-data-parallel group."""
+    if bucket_group.ddp_config.use_distributed_optimizer:
+        name = "intra_distributed_optimizer_instance_group"
+    else:
+        name = "data_parallel_group"
+    _require_attributes(bucket_group, (name,), "_ParamAndGradBucketGroup")
+    return getattr(bucket_group, name)
+
+
+def stacked_expert_shapes(module) -> dict:
+    """``{parameter: (experts, n, m)}`` of the parameters that stack several MoE experts'
+    weights: megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm`` without
+    Transformer Engine) keeps ``weight1`` as ``[hidden, E·ffn]`` and ``weight2`` as
+    ``[E·ffn, hidden]`` and multiplies ``weight1.view(E, hidden, -1)`` and
+    ``weight2.view(E, -1, hidden)``: expert ``e``'s matrix is the ``e``-th contiguous
+    block of the parameter, so each is compressed as its own matrix. Transformer Engine's
+    grouped MLP and the sequential one keep one parameter per expert already."""
+    out = {}
+    for sub in module.modules():
+        experts = getattr(sub, "num_local_experts", None)
+        w1, w2 = getattr(sub, "weight1", None), getattr(sub, "weight2", None)
+        if not isinstance(experts, int) or experts < 2 or w1 is None or w2 is None \
+                or w1.dim() != 2 or w2.dim() != 2:
+            continue
+        hidden = w1.shape[0]
+        out[w1] = (experts, hidden, w1.numel() // (experts * hidden))
+        out[w2] = (experts, w2.numel() // (experts * hidden), hidden)
+    return out
+
+
+def _matrix_entries(name: str, param, stacked: dict) -> list:
+    """``(entry name, (n, m), param, expert index or None)`` of the matrices ``param``
+    holds: one, or one per expert of a stacked parameter."""
+    if param in stacked:
+        experts, n, m = stacked[param]
+        return [(f"{name}.expert{e}", (n, m), param, e) for e in range(experts)]
+    return [(name, matrix_shape(param.shape), param, None)]
+
+
+def _grad_view(param, shape, expert):
+    """The ``main_grad`` of one matrix entry (an expert's block of a stacked parameter)."""
+    if expert is None:
+        return param.main_grad.view(shape)
+    return param.main_grad.view(-1, *shape)[expert]
+
+
+@dataclass
+class _GroupInfo:
+    """A bucket group's reduction: its process group and whether it holds expert
+    parameters."""
+
+    process_group: object
+    size: int
+    expert: bool
+
+
 class DPGradientCompression:
     """Owns one :class:`BucketCompressor` per DDP bucket and patches the bucket groups.
+
+    Each bucket is compressed over the group megatron-core reduces it on
+    (:func:`reduction_group`): dense buckets over DP (×CP), MoE experts' over the
+    expert-data-parallel group; ``dp_group`` is only this rank's DP group for messages.
 
     ``rank`` is a static rank or the controller's entry for this pipeline stage, ``None``
     meaning dense (EDGC's warm-up); ``iteration`` is set by the training loop and
@@ -153,7 +230,7 @@ class DPGradientCompression:
     ``bypass="auto"`` sends a bucket dense when compressing it would not pay
     (:mod:`megatron_edgc.compression.bypass`): the DP link is measured once (or declared
     with ``link``), each bucket's compress + decompress time once per rank, both reduced
-    with MAX over the DP group so every replica takes the same decision.
+    with MAX over the bucket's group so every replica of it takes the same decision.
     """
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
@@ -165,7 +242,6 @@ class DPGradientCompression:
         # first-batch mode; 0.13.x-0.15.x: no argument, no first-batch mode.
         self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
         self.rank = rank
         self.start_iter = start_iter
         self.iteration = 0
@@ -178,25 +254,38 @@ class DPGradientCompression:
         self._bucket_bytes: dict[str, int] = {}
         self.bucket_groups = []
         self.bypass = bypass
-        self.link = link
+        self.link = link     # the dense buckets' link (declared: every group's)
+        self._declared_link = link
+        self.links: dict = {}  # process group -> LinkModel (measured or declared)
+        self._group_of: dict[str, _GroupInfo] = {}  # bucket key -> its reduction
+        self._matrices: dict[str, list] = {}     # bucket key -> [(shape, param, expert)]
+        self._param_names: dict[str, list] = {}  # bucket key -> [(name, param)]
         self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
         self.seed = seed
         for ci, chunk in enumerate(chunks):
             names = {p: f"chunk{ci}.{n}" for n, p in chunk.module.named_parameters()}
-            for gi, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
+            stacked = stacked_expert_shapes(chunk.module)
+            dense_groups = list(chunk.bucket_groups)
+            for gi, group in enumerate(dense_groups + chunk.expert_parallel_bucket_groups):
                 _require_attributes(group, _GROUP_ATTRIBUTES, "_ParamAndGradBucketGroup")
+                pg = reduction_group(group)
+                info = _GroupInfo(pg, dist.get_world_size(pg), expert=gi >= len(dense_groups))
                 for bi, bucket in enumerate(group.buckets):
                     _require_attributes(bucket, _BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
-                    entries = [(names[p], matrix_shape(p.shape)) for p in bucket.params_list]
+                    matrices = [entry for p in bucket.params_list
+                                for entry in _matrix_entries(names[p], p, stacked)]
+                    self._matrices[key] = [(shape, p, e) for _, shape, p, e in matrices]
+                    self._param_names[key] = [(names[p], p) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
-                        entries, rank or 1, min_compression_rate=min_compression_rate,
+                        [(name, shape) for name, shape, _, _ in matrices], rank or 1, min_compression_rate=min_compression_rate,
                         seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype,
                         ef_dtype=ef_dtype)
                     self._bucket_key[id(bucket)] = key
                     self._buckets[key] = bucket
                     self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
+                    self._group_of[key] = info
                 self._patch(group)
                 self.bucket_groups.append(group)
         devices = {c.device for c in self.compressors.values()}
@@ -215,21 +304,27 @@ class DPGradientCompression:
 
     def prepare_iteration(self) -> None:
         """Bypass decisions for this iteration's rank (call after the rank is set, outside
-        the schedule: the first call per rank runs collectives on the DP group)."""
+        the schedule: the first call per rank runs collectives on each bucket's group)."""
         if self.bypass != "auto" or not self.active:
             self.dense_keys = frozenset()
             return
-        if self.link is None:
-            self.link = self._measure_link()
-            logger.info("bypass: DP all-reduce %.3g Gbit/s, alpha %.3g ms",
-                        self.link.gbit_per_s, self.link.alpha_s * 1e3)
+        for i, (pg, expert) in enumerate(self._process_groups()):
+            if pg not in self.links:
+                self.links[pg] = self._declared_link or self._measure_link(pg)
+                if self._declared_link is None:
+                    logger.info("bypass: %s all-reduce %.3g Gbit/s, alpha %.3g ms",
+                                "expert-DP" if expert else "DP", self.links[pg].gbit_per_s,
+                                self.links[pg].alpha_s * 1e3)
+            if i == 0:
+                self.link = self.links[pg]
         if self._cost_model is None:
             self._cost_model = self._measure_cost_model()
         costs = {key: max(0.0, a + b * self.rank) for key, (a, b) in self._cost_model.items()}
         dense = set()
         for key, comp in self.compressors.items():
             _, second = comp.collective_bytes()
-            saving = compression_saving_s(self.link, self._bucket_bytes[key],
+            saving = compression_saving_s(self.links[self._group_of[key].process_group],
+                                          self._bucket_bytes[key],
                                           comp.first_collectives(), second)
             if saving <= costs[key]:
                 dense.add(key)
@@ -251,8 +346,18 @@ class DPGradientCompression:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def _measure_link(self) -> LinkModel:
-        """α and β of an all-reduce on the DP group, from 1 KiB and 4 MiB buffers (a
+    def _process_groups(self) -> list:
+        """``(process group, expert)`` of each distinct reduction group, in bucket order
+        (dense before expert on every rank, so every member issues their collectives in the
+        same order)."""
+        seen = {}
+        for key in self.compressors:
+            info = self._group_of[key]
+            seen.setdefault(id(info.process_group), (info.process_group, info.expert))
+        return list(seen.values())
+
+    def _measure_link(self, group) -> LinkModel:
+        """α and β of an all-reduce on ``group``, from 1 KiB and 4 MiB buffers (a
         smaller large size drowns β in α's noise): mean of three back-to-back all-reduces
         (which absorbs the replicas' skew after the barrier), best of two, slowest replica."""
         device = next(iter(self.compressors.values())).device
@@ -261,25 +366,25 @@ class DPGradientCompression:
 
         def three(buf):
             for _ in range(3):
-                dist.all_reduce(buf, group=self.dp_group)
+                dist.all_reduce(buf, group=group)
 
         for numel in sizes:
             buf = torch.zeros(numel, dtype=torch.float32, device=device)
-            dist.all_reduce(buf, group=self.dp_group)  # connection warm-up
+            dist.all_reduce(buf, group=group)  # connection warm-up
             best = float("inf")
             for _ in range(2):
-                dist.barrier(group=self.dp_group)
+                dist.barrier(group=group)
                 best = min(best, self._timed(lambda: three(buf)) / 3)
             times.append(best)
         worst = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         return LinkModel.fit([n * FLOAT_BYTES for n in sizes], worst.tolist())
 
     def _measure_cost_model(self) -> dict:
         """Compress + decompress time of every bucket as ``a + b·rank``: timed at the current
         rank and at half of it (once; EDGC's later ranks are predicted, not re-timed), on
         random gradients with a scratch compressor (the real state is untouched); the
-        slowest replica's times."""
+        slowest replica's times (MAX over each bucket's reduction group)."""
         keys = sorted(self.compressors)
         r1 = self.rank
         r2 = r1 // 2 if r1 > 1 else 2
@@ -300,10 +405,15 @@ class DPGradientCompression:
 
                 once()  # allocates Q and the residual
                 times.append(min(self._timed(once), self._timed(once)))
-        worst = torch.tensor(times, dtype=torch.float64,
-                             device=next(iter(self.compressors.values())).device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
-        c1, c2 = worst[:len(keys)].tolist(), worst[len(keys):].tolist()
+        device = next(iter(self.compressors.values())).device
+        for pg, _ in self._process_groups():
+            at = [i for i, key in enumerate(keys) if self._group_of[key].process_group is pg]
+            at += [len(keys) + i for i in at]
+            worst = torch.tensor([times[i] for i in at], dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
+            for i, t in zip(at, worst.tolist()):
+                times[i] = t
+        c1, c2 = times[:len(keys)], times[len(keys):]
         model = {}
         for key, t1, t2 in zip(keys, c1, c2):
             b = max(0.0, (t1 - t2) / (r1 - r2))
@@ -317,10 +427,15 @@ class DPGradientCompression:
         scratch = torch.randn_like(bucket.grad_data, dtype=torch.float32)
         base, size = bucket.grad_data.data_ptr(), bucket.grad_data.element_size()
         grads = []
-        for (_, shape), p in zip(self.compressors[key].entries, bucket.params_list):
-            start = (p.main_grad.data_ptr() - base) // size
-            grads.append(scratch[start:start + p.numel()].view(shape))
+        for shape, p, expert in self._matrices[key]:
+            numel = shape[0] * shape[1]
+            start = (p.main_grad.data_ptr() - base) // size + (expert or 0) * numel
+            grads.append(scratch[start:start + numel].view(shape))
         return grads
+
+    def _grads(self, key: str) -> list:
+        """Views of bucket ``key``'s gradients, one per matrix entry of its compressor."""
+        return [_grad_view(p, shape, expert) for shape, p, expert in self._matrices[key]]
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -368,12 +483,12 @@ class DPGradientCompression:
                 yield self._bucket_key[id(bucket)], bucket.grad_data
 
     def bucket_params(self):
-        """(key, [(name, param), ...]) of every bucket, in the order of :meth:`bucket_grads`."""
+        """(key, [(name, param), ...]) of every bucket, in the order of :meth:`bucket_grads`
+        (a stacked-experts parameter once, under its own name)."""
         for group in self.bucket_groups:
             for bucket in group.buckets:
                 key = self._bucket_key[id(bucket)]
-                names = [name for name, _ in self.compressors[key].entries]
-                yield key, list(zip(names, bucket.params_list))
+                yield key, list(self._param_names[key])
 
     def state_bytes(self) -> int:
         """Error-feedback residuals and warm-start Q of this rank at the current rank."""
@@ -428,8 +543,7 @@ class DPGradientCompression:
                     owner.entropy_probe(owner._bucket_key[id(bucket)], bucket.grad_data)
             if not owner.active:
                 dense = sum(_bucket_grad_bytes(b) for b in self.buckets)
-                owner.stats.bytes_sent += dense
-                owner.stats.bytes_dense += dense
+                owner.stats.add_bytes(dense, dense, owner._group_info(self).expert)
                 return original(original_start, force_all_reduce)
             assert self.grad_reduce_handle is None, \
                 "Should not have multiple communication calls outstanding at once"
@@ -451,11 +565,17 @@ class DPGradientCompression:
         group.start_grad_sync = types.MethodType(start_grad_sync, group)
         group.finish_grad_sync = types.MethodType(finish_grad_sync, group)
 
+    def _group_info(self, group) -> _GroupInfo:
+        return self._group_of[self._bucket_key[id(group.buckets[0])]]
+
     def _start(self, group) -> None:
         stats = self.stats
         stats.compressed = True
         async_op = group.ddp_config.overlap_grad_reduce
-        scale_extra = 1.0 / self.dp_size if group.ddp_config.average_in_collective else 1.0
+        info = self._group_info(group)
+        pg = info.process_group
+        # average_in_collective: megatron-core reduces with AVG over the group
+        scale_extra = 1.0 / info.size if group.ddp_config.average_in_collective else 1.0
         launched = []
         for bucket in group.buckets:
             t0 = stats.clock.stamp()
@@ -464,24 +584,22 @@ class DPGradientCompression:
                 bucket.grad_data *= factor
             key = self._bucket_key[id(bucket)]
             comp = self.compressors[key]
-            grads = [p.main_grad.view(matrix_shape(p.shape)) for p in bucket.params_list]
+            grads = self._grads(key)
             if key in self.dense_keys:  # the bypass: this bucket's compression would not pay
                 comp.absorb_residual(grads)
-                handle = dist.all_reduce(bucket.grad_data, group=self.dp_group,
-                                         async_op=async_op)
+                handle = dist.all_reduce(bucket.grad_data, group=pg, async_op=async_op)
                 stats.bypassed_buckets += 1
-                stats.bytes_sent += _bucket_grad_bytes(bucket)
-                stats.bytes_dense += _bucket_grad_bytes(bucket)
+                stats.add_bytes(_bucket_grad_bytes(bucket), _bucket_grad_bytes(bucket),
+                                info.expert)
                 launched.append((key, None, None, None, [handle]))
                 continue
             bufs, step = comp.start(grads)
             stats.add_time("compress_s", t0)
             t0 = stats.clock.stamp()
-            handles = [dist.all_reduce(buf, group=self.dp_group, async_op=async_op)
-                       for buf in bufs]
+            handles = [dist.all_reduce(buf, group=pg, async_op=async_op) for buf in bufs]
             stats.add_time("comm_s", t0)
-            stats.bytes_sent += sum(buf.numel() * buf.element_size() for buf in bufs)
-            stats.bytes_dense += _bucket_grad_bytes(bucket)
+            stats.add_bytes(sum(buf.numel() * buf.element_size() for buf in bufs),
+                            _bucket_grad_bytes(bucket), info.expert)
             launched.append((key, comp, bufs, step, handles))
 
         def finish():
@@ -506,8 +624,8 @@ class DPGradientCompression:
                 t0 = stats.clock.stamp()
                 q_handle = None
                 if q_buf.numel():
-                    q_handle = dist.all_reduce(q_buf, group=self.dp_group, async_op=True)
-                    stats.bytes_sent += q_buf.numel() * q_buf.element_size()
+                    q_handle = dist.all_reduce(q_buf, group=pg, async_op=True)
+                    stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert)
                 stats.add_time("comm_s", t0)
                 in_flight.append((comp, step, q_buf, q_handle))
             for comp, step, q_buf, q_handle in in_flight:

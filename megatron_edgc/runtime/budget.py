@@ -124,7 +124,8 @@ class BudgetFeed:
                 if g.residual is None:
                     continue
                 for j, name in enumerate(g.names):
-                    v = moments.get(id(params[name]))
+                    # a stacked experts' entry (name.expertE) has no parameter of its own
+                    v = moments.get(id(params[name])) if name in params else None
                     if v is None:
                         continue
                     e2 = g.residual[j].double() ** 2

@@ -92,8 +92,16 @@ class EdgcRuntime:
                                    optimizer=optimizer)
             register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                 dp_invariant=True)
-        self.dense_dp_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
-                                  for c in chunks for g in c.bucket_groups for b in g.buckets)
+        def grad_bytes(groups):
+            return sum(b.grad_data.numel() * b.grad_data.element_size()
+                       for g in groups for b in g.buckets)
+
+        # MoE: the expert-parallel buckets (reduced over the expert-DP group) apart
+        self.dense_expert_bytes = sum(grad_bytes(c.expert_parallel_bucket_groups)
+                                      for c in chunks)
+        self.dense_dp_bytes = self.dense_expert_bytes + sum(grad_bytes(c.bucket_groups)
+                                                            for c in chunks)
+        self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
 
     def close(self) -> None:
         """Drop this runtime's checkpoint-registry entries."""
@@ -168,9 +176,12 @@ class EdgcRuntime:
         st = self.dp_compression.stats if self.dp_compression is not None else None
         sent = st.bytes_sent if st else self.dense_dp_bytes
         dense = st.bytes_dense if st else self.dense_dp_bytes
+        expert_sent = st.expert_bytes_sent if st else self.dense_expert_bytes
+        expert_dense = st.expert_bytes_dense if st else self.dense_expert_bytes
         pps = self.p2p.stats if self.p2p is not None else None
         n_stages = self.num_stages
-        head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0]
+        head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0,
+                expert_sent, expert_dense]
         times = torch.zeros(len(STAGE_TIMES), 2, n_stages, dtype=torch.float64)
         timing = self.timer.finish()
         values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
@@ -192,13 +203,17 @@ class EdgcRuntime:
                "dp_bytes_sent_job": int(totals[0].item()),
                "dp_bytes_dense_job": int(totals[1].item()),
                "rank_dp": self.rank_per_stage(st)}
+        if self.has_experts:  # MoE: the expert buckets' share of the above
+            rec.update(dp_expert_bytes_sent=expert_sent, dp_expert_bytes_dense=expert_dense,
+                       dp_expert_bytes_sent_job=int(totals[4].item()),
+                       dp_expert_bytes_dense_job=int(totals[5].item()))
         if pps is not None:
             rec.update(pp_bytes_sent=pps.bytes_sent, pp_bytes_dense=pps.bytes_dense,
                        pp_bytes_sent_job=int(totals[2].item()),
                        pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
             for event in pps.events:
                 self.log(f"iteration {self.iteration + 1}: {event}")
-        sums = totals[4:4 + times.numel()].view(len(STAGE_TIMES), 2, n_stages)
+        sums = totals[len(head):len(head) + times.numel()].view(len(STAGE_TIMES), 2, n_stages)
         stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
                              else float("nan") for s in range(n_stages)]
                        for i, key in enumerate(STAGE_TIMES)}

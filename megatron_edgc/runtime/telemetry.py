@@ -90,6 +90,13 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def expert_split(rec: dict) -> str:
+    """The DP bytes of a MoE job split into dense and expert buckets (job-wide)."""
+    expert = rec["dp_expert_bytes_sent_job"]
+    dense = rec["dp_bytes_sent_job"] - expert
+    return f"dense {dense / 2**20:.2f} + expert {expert / 2**20:.2f} MiB"
+
+
 def format_progress(it: int, total: int, rec: dict) -> str:
     parts = [f"iteration {it:>6d}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.3e}",
              f"{rec['iter_ms']:8.1f} ms/iter", f"{rec['tokens_per_s']:9.0f} tok/s",
@@ -102,6 +109,8 @@ def format_progress(it: int, total: int, rec: dict) -> str:
     if "dp_bytes_sent_job" in rec:
         saved = 1.0 - rec["dp_bytes_sent_job"] / max(1, rec["dp_bytes_dense_job"])
         parts.append(f"dp {rec['dp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")
+        if "dp_expert_bytes_sent_job" in rec:
+            parts.append(expert_split(rec))
     if "pp_bytes_sent_job" in rec:
         saved = 1.0 - rec["pp_bytes_sent_job"] / max(1, rec["pp_bytes_dense_job"])
         rank = rec.get("rank_pp")
