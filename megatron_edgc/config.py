@@ -470,6 +470,10 @@ class EdgcConfig:
                   choices=("marchenko-pastur", "calibrated"))
     check_table: bool = knob(False, "debug: compare a hash of the rank table over all ranks "
                                     "at every window end and fail loudly on a mismatch")
+    check_replicas: bool = knob(False, "debug: every iteration, compare a digest of each "
+                                       "DDP bucket's parameters over the group it is reduced "
+                                       "on (JSONL dp_replica_mismatches: 0 when every "
+                                       "replica is bit-identical)")
     entropy_reference: bool = knob(False, "benchmark: also estimate the entropy of the full "
                                           "gradient every iteration (JSONL entropy_full, "
                                           "entropy_full_ms); changes no decision")

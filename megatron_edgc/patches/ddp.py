@@ -203,6 +203,28 @@ def _grad_view(param, shape, expert):
     return param.main_grad.view(-1, *shape)[expert]
 
 
+def _bits_digest(data: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """An int64 digest of ``data``'s bits (each element's integer view weighted by its
+    position mod a prime): equal tensors give equal digests, a flipped bit changes it.
+    Chunked, so the temporaries stay at ``chunk`` elements."""
+    ints = data.detach().reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                                           8: torch.int64}[data.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, ints.numel(), chunk):
+        part = ints[start:start + chunk].to(torch.int64)
+        weight = torch.arange(start, start + part.numel(), device=data.device) % 65521 + 1
+        total += (part * weight).sum()
+    return total
+
+
+def _bucket_digest(bucket) -> torch.Tensor:
+    """The digest of a bucket's parameters: its slice of the parameter buffer (the
+    distributed optimizer's), else each parameter's, weighted by its place."""
+    if getattr(bucket, "param_data", None) is not None:
+        return _bits_digest(bucket.param_data)
+    return sum((i + 1) * _bits_digest(p.data) for i, p in enumerate(bucket.params_list))
+
+
 @dataclass
 class _GroupInfo:
     """A bucket group's reduction: its process group and whether it holds expert
@@ -489,6 +511,21 @@ class DPGradientCompression:
             for bucket in group.buckets:
                 key = self._bucket_key[id(bucket)]
                 yield key, list(self._param_names[key])
+
+    def replica_mismatches(self) -> int:
+        """How many of this rank's buckets hold parameters that differ from another
+        replica's in the bucket's reduction group (bit-exact: a digest of the parameter
+        bits, MIN and MAX over the group). Collectives on every group; a debug check
+        (``--edgc-check-replicas``)."""
+        mismatches = 0
+        for pg, _ in self._process_groups():
+            keys = [k for k in self.compressors if self._group_of[k].process_group is pg]
+            digest = torch.stack([_bucket_digest(self._buckets[k]) for k in keys])
+            low, high = digest.clone(), digest
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=pg)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=pg)
+            mismatches += int((high != low).sum().item())  # a debug check: one sync
+        return mismatches
 
     def state_bytes(self) -> int:
         """Error-feedback residuals and warm-start Q of this rank at the current rank."""

@@ -180,8 +180,10 @@ class EdgcRuntime:
         expert_dense = st.expert_bytes_dense if st else self.dense_expert_bytes
         pps = self.p2p.stats if self.p2p is not None else None
         n_stages = self.num_stages
+        check = self.cfg.edgc.check_replicas and self.dp_compression is not None
+        mismatches = self.dp_compression.replica_mismatches() if check else 0
         head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0,
-                expert_sent, expert_dense]
+                expert_sent, expert_dense, mismatches]
         times = torch.zeros(len(STAGE_TIMES), 2, n_stages, dtype=torch.float64)
         timing = self.timer.finish()
         values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
@@ -203,6 +205,8 @@ class EdgcRuntime:
                "dp_bytes_sent_job": int(totals[0].item()),
                "dp_bytes_dense_job": int(totals[1].item()),
                "rank_dp": self.rank_per_stage(st)}
+        if check:  # buckets (job-wide) whose replicas differ in a bit
+            rec["dp_replica_mismatches"] = int(totals[6].item())
         if self.has_experts:  # MoE: the expert buckets' share of the above
             rec.update(dp_expert_bytes_sent=expert_sent, dp_expert_bytes_dense=expert_dense,
                        dp_expert_bytes_sent_job=int(totals[4].item()),

@@ -1,0 +1,78 @@
+"""The DP patch on bucket groups megatron-core reduces over other groups than plain DP,
+4 gloo processes each (``tests/group_sync_runner.py``): context parallelism (dense
+buckets over DP×CP) and MoE expert parallelism (experts over the expert-DP group)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOW_RANK = 4
+
+
+def run_case(case: str, out_dir: str) -> list:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "4", os.path.join(HERE, "group_sync_runner.py"), case, out_dir],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = []
+    for r in range(4):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as fh:
+            results.append(json.load(fh))
+    return results
+
+
+def bucket_bytes(shapes: list, rank: int) -> int:
+    """One bucket at ``rank`` with fp32 factors: (n+m)·r per compressed matrix, the rest
+    dense, one flag."""
+    factors = dense = 0
+    for shape in shapes:
+        n, m = matrix_shape(shape)
+        if n > 1 and is_compressible(n, m, rank, 2.0):
+            factors += (n + m) * rank
+        else:
+            dense += math.prod(shape)
+    return 4 * (factors + dense + 1)
+
+
+@pytest.mark.parametrize("case,sizes,expert_members", [
+    ("cp2", [4], None),                     # DP 2 × CP 2: the dense buckets over all four
+    ("ep2", [4, 2], [[0, 2], [1, 3]]),      # DP 4, EP 2: the experts over 2 replicas each
+])
+def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_members,
+                                                            tmp_path):
+    results = run_case(case, str(tmp_path / case))
+    for r in results:
+        assert r["group_sizes"] == sizes
+        assert r["group_members"][0] == [0, 1, 2, 3]
+        if expert_members is not None:
+            assert r["expert"] == [False, True]
+            assert r["group_members"][1] in expert_members
+            assert r["rank"] in r["group_members"][1]
+        # full rank, every matrix compressed: megatron-core's own reduction, to 1e-5
+        for errors in r["full_rank_rel_err"]:
+            assert max(errors) < 1e-5, errors
+        # a low rank: bytes from the shapes, per group, and a real approximation
+        shapes = r["bucket_shapes"]
+        want = [bucket_bytes(s, LOW_RANK) for s in shapes]
+        want_expert = sum(w for w, e in zip(want, r["expert"]) if e)
+        assert r["low_rank_bytes"] == [sum(want)] * 2
+        assert r["low_rank_expert_bytes"] == [want_expert] * 2
+        for errors, norms in zip(r["low_rank_rel_err"], r["grad_norms"]):
+            assert min(norms) > 0
+            for shape_list, err in zip(shapes, errors):
+                compressed = any(len(s) == 2 and is_compressible(*matrix_shape(s), LOW_RANK, 2.0)
+                                 for s in shape_list)
+                assert (err > 0.05) if compressed else (err < 1e-5), (shape_list, err)
+        # replicas bit-identical over each bucket's reduction group
+        assert all(all(step) for step in r["replicas_identical"])
+    if expert_members is not None:   # the two expert groups hold different experts
+        by_group = {tuple(r["group_members"][1]): r["full_rank_rel_err"] for r in results}
+        assert len(by_group) == 2
