@@ -15,6 +15,7 @@ import difflib
 import functools
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -297,3 +298,128 @@ def test_torch_dist_async_saves_fail_cleanly_and_resume_exactly(megatron_lm, tmp
     assert [r["rank_dp"] for r in half[:2]] == [r["rank_dp"] for r in whole[4:6]]
     assert [r["rank_pp"] for r in half[:2]] == [r["rank_pp"] for r in whole[4:6]]
     assert half[0]["loss"] == pytest.approx(whole[4]["loss"], rel=1e-3)  # same samples
+
+
+# ------------------------------------------------------------------ today's models
+
+#: EDGC on the DP sync only (no pipeline to compress on a PP 1 layout).
+EDGC_DP = EDGC[:EDGC.index("--edgc-pp-compression")]
+#: MoE on DP 4 (PP 1): 4 experts, expert parallelism 2 (expert-DP 2), top-2 router, the
+#: alltoall dispatcher (gloo carries its ``all_to_all_single``), SequentialMLP experts.
+MOE = ["--pipeline-model-parallel-size", "1", "--num-experts", "4",
+       "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-router-topk", "2"]
+#: Llama-style layers as Megatron-LM's Llama recipes set them, on the local spec: SwiGLU,
+#: RoPE (unfused: the fused kernel is Transformer Engine's), grouped-query attention,
+#: RMSNorm, no linear biases, untied embeddings; TP1·PP2·DP2.
+LLAMA = ["--swiglu", "--position-embedding-type", "rope", "--no-rope-fusion",
+         "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def _layer_norm(h):
+    return [(h,), (h,)]
+
+
+def moe_buckets() -> list:
+    """Each DP rank's DDP buckets for :data:`MOE` (hidden 64, 2 layers, padded vocab 1024,
+    FFN 256), as ``(expert, [shapes])``: the dense parameters, and the expert-parallel
+    ones (2 local experts per layer: fc1, fc2 with biases); the router (weight [4, 64] and
+    bias [4]) is a dense parameter, reduced over all four replicas."""
+    h, f, e_local = 64, 256, 2
+    layer = _layer_norm(h) + [(3 * h, h), (3 * h,), (h, h), (h,)] + _layer_norm(h) + \
+        [(4, h), (4,)]
+    dense = [(1024, h), (64, h)] + 2 * layer + _layer_norm(h)
+    experts = 2 * e_local * [(f, h), (f,), (h, f), (h,)]
+    return [(False, dense), (True, experts)]
+
+
+def llama_stage_shapes() -> list:
+    """Each stage's parameters for :data:`LLAMA` (hidden 64, 4 heads of 16, 2 query
+    groups, Megatron-LM's SwiGLU FFN int(4·64·2/3 / 64)·64 = 128): stage 0 the input
+    embedding and layer 1, stage 1 layer 2, the final RMSNorm and the untied output layer."""
+    h, f = 64, 128
+    layer = [(h,), (h + 2 * 2 * 16, h), (h, h), (h,), (2 * f, h), (h, f)]
+    return [[(1024, h)] + layer, layer + [(h,), (1024, h)]]
+
+
+def bf16_factor_bytes(shapes, rank) -> int:
+    """One bucket at ``rank`` (None: dense): (n+m)·r bf16 factor elements per compressed
+    matrix, the rest in fp32, one flag (fp32; bf16 riding with P without a dense rest)."""
+    if rank is None:
+        return 4 * sum(math.prod(s) for s in shapes)
+    factors = dense = 0
+    for shape in shapes:
+        n, m = matrix_shape(shape)
+        if n > 1 and is_compressible(n, m, rank, 2.0):
+            factors += (n + m) * rank
+        else:
+            dense += math.prod(shape)
+    return 2 * factors + 4 * dense + (4 if dense else 2)
+
+
+def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes):
+    """Mode off is bitwise Megatron-LM; EDGC (torch_dist, distributed optimizer, bf16,
+    async save at 4) trains, sends the bytes ``want_bytes(ranks)`` gives as
+    ``(job, expert part of job)``, keeps every replica of every bucket bit-identical; a
+    resume from 4 repeats 5-8 exactly."""
+    plain = TORCH_DIST[:-1]   # no checkpoint: the same model and optimizer, no async save
+    _, unmodified, _ = run_megatron_lm(megatron_lm, megatron_lm[1], model + plain, tmp_path,
+                                       "plain")
+    _, off, _ = run_megatron_lm(megatron_lm, megatron_lm[2], model + plain, tmp_path, "off")
+    assert len(unmodified) == 8 and off == unmodified               # bitwise, as printed
+    ckpt = str(tmp_path / "ckpt")
+    run = model + edgc + TORCH_DIST + ["--edgc-check-replicas", "--save", ckpt,
+                                       "--save-interval", "4"]
+    out, losses, whole = run_megatron_lm(megatron_lm, megatron_lm[2], run, tmp_path, "whole")
+    assert [r["iteration"] for r in whole] == list(range(1, 9))
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+    assert losses[:2] == unmodified[:2]                              # dense warm-up
+    for rec in whole:
+        assert rec["dp_replica_mismatches"] == 0, rec["iteration"]
+        job, expert = want_bytes(rec["rank_dp"])
+        if not any(rec["rank_dp"] or []):   # warm-up: Megatron's buckets, padded (distopt)
+            assert rec["dp_bytes_sent_job"] == rec["dp_bytes_dense_job"] >= job
+            assert rec.get("dp_expert_bytes_sent_job", 0) == \
+                rec.get("dp_expert_bytes_dense_job", 0) >= expert
+            continue
+        assert rec["dp_bytes_sent_job"] == job, (rec["iteration"], rec["rank_dp"])
+        assert rec.get("dp_expert_bytes_sent_job", 0) == expert, rec["iteration"]
+        assert rec["dp_bytes_sent_job"] < rec["dp_bytes_dense_job"] / 5
+    assert any(r["rank_dp"] != whole[2]["rank_dp"] for r in whole[3:])  # the controller moved
+    # as if the job had died after saving 4: iteration 8 gone, ``latest`` at 4
+    shutil.rmtree(os.path.join(ckpt, "iter_0000008"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("4")
+    out, _, resumed = run_megatron_lm(megatron_lm, megatron_lm[2],
+                                      model + edgc + TORCH_DIST + ["--load", ckpt], tmp_path,
+                                      "resumed")
+    assert "no compressor state" not in out
+    keys = ("iteration", "loss", "rank_dp", "dp_bytes_sent_job", "dp_bytes_dense_job")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[4:]]
+    return out, whole
+
+
+def test_moe_expert_parallel_job(megatron_lm, tmp_path):
+    """MoE with EP 2 on DP 4: dense buckets over DP (4), experts over expert-DP (2); the
+    bytes of each group from the shapes at the controller's rank."""
+    def want(ranks):
+        rank = None if ranks is None else ranks[0]
+        per_rank = {e: bf16_factor_bytes(shapes, rank) for e, shapes in moe_buckets()}
+        assert len(per_rank) == 2
+        return 4 * (per_rank[False] + per_rank[True]), 4 * per_rank[True]
+
+    out, whole = _check_model_job(megatron_lm, tmp_path, MOE, EDGC_DP, want)
+    assert "| dense " in out and " + expert " in out                # the progress line
+
+
+def test_llama_style_job(megatron_lm, tmp_path):
+    """SwiGLU, RoPE, GQA, RMSNorm, no biases, untied embeddings on TP1·PP2·DP2 with DP and
+    PP compression."""
+    stages = llama_stage_shapes()
+
+    def want(ranks):
+        ranks = ranks or [None] * len(stages)
+        return 2 * sum(bf16_factor_bytes(s, r) for s, r in zip(stages, ranks)), 0
+
+    _check_model_job(megatron_lm, tmp_path, LLAMA, EDGC, want)
