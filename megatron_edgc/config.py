@@ -130,6 +130,10 @@ class ModelConfig:
     layernorm_epsilon: float = knob(1e-5, "LayerNorm epsilon", min=0.0, min_exclusive=True)
     make_vocab_size_divisible_by: int = knob(
         128, "pad the vocabulary to a multiple of this (times TP), as Megatron does", min=1)
+    num_experts: Optional[int] = knob(
+        None, "MoE: expert MLPs per layer behind a top-k router (megatron-core's MoE layer, "
+              "alltoall dispatcher); unset = the dense GPT-2 MLP", min=2)
+    moe_router_topk: int = knob(2, "MoE: experts each token is sent to", min=1)
 
     def resolve(self) -> None:
         if self.ffn_hidden_size is None:
@@ -139,6 +143,10 @@ class ModelConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ConfigError("--seq-length", f"must be <= --max-position-embeddings "
                                               f"({self.max_position_embeddings}), got {self.seq_length}")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ConfigError("--moe-router-topk", f"must be <= --num-experts "
+                                                   f"({self.num_experts}), got "
+                                                   f"{self.moe_router_topk}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("--hidden-size", f"must be divisible by --num-attention-heads "
                                                f"({self.hidden_size} % {self.num_attention_heads} != 0)")
@@ -154,6 +162,9 @@ class ParallelConfig:
         None, "data-parallel size (DP); default: world size / (TP x PP)", min=1)
     virtual_pipeline_model_parallel_size: Optional[int] = knob(
         None, "model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B", min=1)
+    expert_model_parallel_size: int = knob(
+        1, "MoE: expert-parallel size (EP): the experts are split over this many DP ranks, "
+           "each expert reduced over DP / EP replicas", min=1)
     overlap_grad_reduce: bool = knob(False, "launch each DP bucket's reduction during backward")
     use_distributed_optimizer: bool = knob(False, "shard optimizer state over DP (ZeRO-1)")
     bucket_size: Optional[int] = knob(None, "DDP bucket size in elements (default: Megatron's)",
@@ -592,6 +603,17 @@ class RunConfig:
         elif m.num_layers % pp:
             raise ConfigError("--num-layers", f"must be divisible by "
                                               f"--pipeline-model-parallel-size ({pp}); got {m.num_layers}")
+        ep = p.expert_model_parallel_size
+        if ep > 1 and m.num_experts is None:
+            raise ConfigError("--expert-model-parallel-size", f"splits MoE experts: needs "
+                                                              f"--num-experts; got EP {ep}")
+        if ep > 1 and dp % ep:
+            raise ConfigError("--expert-model-parallel-size", f"must divide the DP size "
+                                                              f"({dp}); got {ep}")
+        if m.num_experts is not None and m.num_experts % ep:
+            raise ConfigError("--num-experts", f"must be divisible by "
+                                               f"--expert-model-parallel-size ({ep}); got "
+                                               f"{m.num_experts}")
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError("--global-batch-size",
                               f"must be a multiple of micro batch x DP = {t.micro_batch_size} x {dp}"

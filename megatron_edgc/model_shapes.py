@@ -25,7 +25,9 @@ def stage_param_shapes(model, parallel, vocab_size: int) -> list:
 
     GPT-2 as ``training/model.py`` builds it: LayerNorm (weight, bias), biased linears,
     learned positions, embeddings tied to the output layer (the last stage holds its own
-    copy of the word embeddings when PP > 1). ``vocab_size`` is the tokenizer's.
+    copy of the word embeddings when PP > 1). ``vocab_size`` is the tokenizer's. With
+    ``--num-experts`` the MLP is megatron-core's MoE layer: a router (weight and bias, fp32)
+    and, on each rank, its ``E / EP`` local experts (fc1, fc2 with biases).
     """
     h, tp, pp = model.hidden_size, parallel.tensor_model_parallel_size, \
         parallel.pipeline_model_parallel_size
@@ -34,9 +36,14 @@ def stage_param_shapes(model, parallel, vocab_size: int) -> list:
     layer = [(h,), (h,),                                  # input LayerNorm
              (3 * h // tp, h), (3 * h // tp,),            # QKV (column parallel)
              (h, h // tp), (h,),                          # attention projection (row parallel)
-             (h,), (h,),                                  # pre-MLP LayerNorm
-             (f // tp, h), (f // tp,),                    # fc1 (column parallel)
-             (h, f // tp), (h,)]                          # fc2 (row parallel)
+             (h,), (h,)]                                  # pre-MLP LayerNorm
+    mlp = [(f // tp, h), (f // tp,),                      # fc1 (column parallel)
+           (h, f // tp), (h,)]                            # fc2 (row parallel)
+    experts = getattr(model, "num_experts", None)
+    if experts:  # router, then the local experts (expert TP = 1)
+        ep = getattr(parallel, "expert_model_parallel_size", 1)
+        mlp = [(experts, h), (experts,)] + (experts // ep) * [(f, h), (f,), (h, f), (h,)]
+    layer = layer + mlp
     stages = []
     for s in range(pp):
         shapes = layer * (model.num_layers // pp)

@@ -44,10 +44,11 @@ def read_jsonl(path):
 
 
 def assert_dp_replicas_identical(results):
-    """Parameters of ranks that differ only in their DP index are bit-identical."""
+    """Parameters of ranks that differ only in their DP index are bit-identical (with MoE
+    expert parallelism: ranks of the same EP index, which hold the same experts)."""
     groups = {}
     for r in results:
-        groups.setdefault((r["tp"], r["pp"]), []).append(r)
+        groups.setdefault((r["tp"], r["pp"], r.get("ep", 0)), []).append(r)
     compared = 0
     for key, members in groups.items():
         ref = members[0]["params"]
@@ -56,6 +57,6 @@ def assert_dp_replicas_identical(results):
             assert other["params"].keys() == ref.keys()
             for name, tensor in ref.items():
                 assert torch.equal(tensor, other["params"][name]), \
-                    f"{name} differs between DP replicas of (tp, pp) = {key}"
+                    f"{name} differs between DP replicas of (tp, pp, ep) = {key}"
                 compared += 1
     return compared

@@ -62,12 +62,17 @@ def main() -> int:
             torch.save({"tp": parallel_state.get_tensor_model_parallel_rank(),
                         "pp": parallel_state.get_pipeline_model_parallel_rank(),
                         "dp": parallel_state.get_data_parallel_rank(),
+                        "ep": parallel_state.get_expert_model_parallel_rank(),
                         "params": params, "summary": summary, "host_syncs": syncs,
                         "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
                                          for g in c.bucket_groups),
                         "bucket_shapes": [[tuple(p.shape) for p in b.params_list]
                                           for c in trainer.bundle.chunks
                                           for g in c.bucket_groups for b in g.buckets],
+                        "expert_bucket_shapes": [
+                            [tuple(p.shape) for p in b.params_list]
+                            for c in trainer.bundle.chunks
+                            for g in c.expert_parallel_bucket_groups for b in g.buckets],
                         "compression": trainer.dp_compression.state_dict()
                         if trainer.dp_compression is not None else None,
                         "controller": trainer.edgc.controller.state_dict()

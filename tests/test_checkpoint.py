@@ -37,8 +37,11 @@ def pretrain(argv, timeout=300):
      "--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
      "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8",
      "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "4"],
+    # MoE, EP 2 on DP 4: a model file per EP rank (its experts), experts' residuals per rank
+    ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4", "--num-experts", "4",
+     "--expert-model-parallel-size", "2", "--edgc-mode", "static", "--edgc-rank", "4"],
 ], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4", "edgc-pp-compression",
-        "budget-controller"])
+        "budget-controller", "moe-ep2"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")

@@ -160,3 +160,42 @@ def test_bypass_sends_dense_when_compression_does_not_pay(small_model_argv, tmp_
     assert_dp_replicas_identical(runs["measured"][1])
     assert all(0 < r["dp_link_gbps"] < 1e4 for r in measured)
     assert all(r["dp_bytes_sent"] in (want, r["dp_bytes_dense"]) for r in measured)
+
+
+#: MoE on DP 4 (PP 1): 4 experts, EP 2 (each expert on 2 replicas), top-2, alltoall.
+MOE = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
+       "--num-experts", "4", "--expert-model-parallel-size", "2"]
+
+
+def test_moe_experts_compressed_over_expert_dp_with_bytes_from_shapes(small_model_argv,
+                                                                      tmp_path):
+    """The trainer's MoE model: dense buckets over DP (4), expert buckets over expert-DP
+    (2); the bytes of each from the shapes, experts' replicas bit-identical, the loss falls,
+    and the start-up check's predicted shapes are the model's."""
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_job(small_model_argv + MOE + [
+        "--edgc-mode", "static", "--edgc-rank", str(RANK), "--metrics-file", metrics],
+        str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert assert_dp_replicas_identical(results) > 0
+    assert sorted((r["ep"], r["dp"]) for r in results) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    logger = next(r for r in results if r["dp"] == 0)
+    dense = expected_bytes(logger, RANK)
+    expert = expected_bytes({"bucket_shapes": logger["expert_bucket_shapes"]}, RANK)
+    assert logger["expert_bucket_shapes"] and expert > 0
+    # each EP rank holds other experts of the same shapes: the job sends 4 x one rank's
+    want_job = sum(expected_bytes(r, RANK) + expected_bytes(
+        {"bucket_shapes": r["expert_bucket_shapes"]}, RANK) for r in results)
+    assert want_job == 4 * (dense + expert)
+    for rec in records:
+        assert rec["dp_bytes_sent"] == dense + expert
+        assert rec["dp_expert_bytes_sent"] == expert
+        assert rec["dp_bytes_sent_job"] == want_job
+        assert rec["dp_expert_bytes_sent_job"] == 4 * expert
+        assert rec["dp_bytes_sent"] < rec["dp_bytes_dense"] / 4
+    cfg = parse_config(small_model_argv + MOE + ["--edgc-mode", "static"])
+    predicted = stage_param_shapes(cfg.model, cfg.parallel, cfg.data.tokenizer_vocab_size)
+    real = [tuple(t.shape) for t in logger["params"].values()]
+    assert sorted(real) == sorted(predicted[0])

@@ -15,23 +15,33 @@ from megatron_edgc.megatron_lm.state import state as _state
 from megatron_edgc.runtime.rank_state import collect_rank_state
 
 
-def _sidecar(root: str, iteration: int, tp: int, pp: int, dp: int) -> str:
+def _sidecar(root: str, iteration: int, tp: int, pp: int, dp: int, cp: int = 0) -> str:
+    """The file of one rank; with context parallelism its CP rank too (the CP ranks of one
+    DP replica hold the same TP/PP/DP coordinates)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
     base = get_checkpoint_name(root, iteration, return_base_dir=True)
-    return os.path.join(base, "edgc", f"tp{tp:02d}_pp{pp:03d}_dp{dp:05d}.pt")
+    name = f"tp{tp:02d}_pp{pp:03d}_dp{dp:05d}" + (f"_cp{cp:03d}" if cp else "")
+    return os.path.join(base, "edgc", name + ".pt")
 
 
 def _coords() -> tuple:
     from megatron.core import mpu
 
     return (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
-            mpu.get_data_parallel_rank())
+            mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank())
+
+
+#: Layout entries whose change keeps the DP-invariant state (the rank controller) and
+#: resets the per-replica one (residuals, warm starts): the replicas are regrouped.
+REPLICA_LAYOUT = ("dp", "ep")
 
 
 def _layout(args) -> dict:
     return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "dp": args.data_parallel_size, "vp": args.virtual_pipeline_model_parallel_size}
+            "dp": args.data_parallel_size, "vp": args.virtual_pipeline_model_parallel_size,
+            "ep": getattr(args, "expert_model_parallel_size", 1),
+            "cp": getattr(args, "context_parallel_size", 1)}
 
 
 class _QuietAboutOurSidecars(logging.Filter):
@@ -136,25 +146,26 @@ def wrap_load_checkpoint(original):
         if args.finetune:
             return out
         root = getattr(args, kwargs.get("load_arg", "load"))
-        tp, pp, dp = _coords()
+        tp, pp, dp, cp = _coords()
         # Our replica's file; a rank beyond the saved DP size reads replica 0's.
-        first = _sidecar(root, iteration, tp, pp, 0)
-        path = _sidecar(root, iteration, tp, pp, dp)
+        first = _sidecar(root, iteration, tp, pp, 0, cp)
+        path = _sidecar(root, iteration, tp, pp, dp, cp)
         path = path if os.path.isfile(path) else first
         if not os.path.isfile(path):
             print_rank_0(f"warning: EDGC: no compressor state in {os.path.dirname(path)} "
                          f"(saved without megatron_edgc?): compression starts fresh")
             return out
         state = torch.load(path, map_location="cpu", weights_only=False)
-        saved, ours = state["layout"], _layout(args)
-        if {k: v for k, v in saved.items() if k != "dp"} != \
-                {k: v for k, v in ours.items() if k != "dp"}:
+        ours = _layout(args)
+        saved = {"ep": 1, "cp": 1, **state["layout"]}   # files from before EP/CP were kept
+        if {k: v for k, v in saved.items() if k not in REPLICA_LAYOUT} != \
+                {k: v for k, v in ours.items() if k not in REPLICA_LAYOUT}:
             print_rank_0(f"warning: EDGC: compressor state saved with layout {saved}, resumed "
                          f"with {ours}: compression starts fresh")
             return out
-        dp_changed = saved["dp"] != ours["dp"]
-        if dp_changed and path != first:
+        changed = [k.upper() for k in REPLICA_LAYOUT if saved[k] != ours[k]]
+        if changed and path != first:
             state = torch.load(first, map_location="cpu", weights_only=False)
-        _state.stashed = (state["extensions"], dp_changed)
+        _state.stashed = (state["extensions"], changed)
         return out
     return load_checkpoint

@@ -128,11 +128,11 @@ def _build_runtime(model, optimizer, scheduler) -> None:
         activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
         device=device, lr_at=lr_at, optimizer=optimizer)
     if _state.stashed is not None:
-        saved, dp_changed = _state.stashed
-        reset = restore_rank_state(saved, dp_changed)
+        saved, changed = _state.stashed
+        reset = restore_rank_state(saved, bool(changed))
         if reset:
-            print_rank_0(f"EDGC: resumed on another DP size; per-replica state reset "
-                         f"({', '.join(reset)})")
+            print_rank_0(f"EDGC: resumed on another {'/'.join(changed)} size; per-replica "
+                         f"state reset ({', '.join(reset)})")
         _state.stashed = None
     _state.runtime = runtime
     is_logger = (mpu.is_pipeline_last_stage(ignore_virtual=True)

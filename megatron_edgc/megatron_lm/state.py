@@ -12,7 +12,7 @@ class PluginState:
         self.cfg: Optional[RunConfig] = None    # validated from the --edgc-* flags
         self.runtime = None                     # EdgcRuntime, when compression is on
         self.metrics = None                     # [JSONL writer, TensorBoard writer]
-        self.stashed: Optional[tuple] = None    # (extensions, dp_changed) read at load
+        self.stashed: Optional[tuple] = None    # (extensions, changed layout names) read at load
         self.originals: dict = {}               # (module, name) -> the wrapped function
 
     def compression_on(self) -> bool:

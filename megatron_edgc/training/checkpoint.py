@@ -63,7 +63,8 @@ def read_latest_iteration(root: str) -> Optional[int]:
 def _layout_names(iteration_path: str) -> tuple[str, str]:
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
-    return (os.path.join(iteration_path, model_file_name(tp, pp)),
+    ep = parallel_state.get_expert_model_parallel_rank()
+    return (os.path.join(iteration_path, model_file_name(tp, pp, ep)),
             os.path.join(iteration_path, rank_file_name(dist.get_rank())))
 
 
@@ -120,7 +121,8 @@ def layout_of(cfg) -> dict:
     p = cfg.parallel
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
             "dp": p.data_parallel_size, "vp": p.virtual_pipeline_model_parallel_size,
-            "distributed_optimizer": p.use_distributed_optimizer}
+            "distributed_optimizer": p.use_distributed_optimizer,
+            "ep": p.expert_model_parallel_size}
 
 
 def _first_failed_rank(failed: bool) -> int:
@@ -173,7 +175,9 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
     def write() -> None:
         model_file, rank_file = _layout_names(tmp)
         distributed_optimizer = cfg.parallel.use_distributed_optimizer
-        if parallel_state.get_data_parallel_rank() == 0:
+        # one writer per distinct model shard: DP rank 0, or with EP each EP rank's
+        # expert-DP rank 0 (== DP rank 0 without EP)
+        if parallel_state.get_expert_data_parallel_rank() == 0:
             torch.save({"iteration": iteration,
                         "model": [chunk.state_dict() for chunk in bundle.chunks],
                         "optimizer": None if distributed_optimizer
@@ -237,6 +241,8 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
     except Exception as exc:
         raise CheckpointError(f"--load: {model_file} cannot be read: {exc}") from exc
     saved, ours = state.get("layout"), layout_of(cfg)
+    if saved is not None:
+        saved = {"ep": 1, **saved}   # saved before EP was part of the layout
     dp_changed = saved is not None and saved != ours and \
         {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in ours.items()
                                                          if k != "dp"}

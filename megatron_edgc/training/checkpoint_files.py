@@ -8,16 +8,17 @@ import re
 from typing import Optional
 
 LATEST = "latest_checkpointed_iteration.txt"
-_MODEL_FILE = re.compile(r"model_optim_tp(\d+)_pp(\d+)\.pt$")
+_MODEL_FILE = re.compile(r"model_optim_tp(\d+)_pp(\d+)(?:_ep\d+)?\.pt$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def model_file_name(tp: int, pp: int) -> str:
-    """Model + optimizer + schedule of one (TP, PP) rank, written by its DP rank 0."""
-    return f"model_optim_tp{tp:02d}_pp{pp:03d}.pt"
+def model_file_name(tp: int, pp: int, ep: int = 0) -> str:
+    """Model + optimizer + schedule of one (TP, PP) rank, written by its DP rank 0; with
+    expert parallelism one per EP rank (its experts differ), by its expert-DP rank 0."""
+    return f"model_optim_tp{tp:02d}_pp{pp:03d}" + (f"_ep{ep:03d}" if ep else "") + ".pt"
 
 
 def rank_file_name(rank: int) -> str:

@@ -55,7 +55,8 @@ class Trainer:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size)
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -122,7 +123,8 @@ class Trainer:
 
             model_parallel_cuda_manual_seed(seed)
         else:
-            model_parallel_cpu_manual_seed(seed, tp_rank)
+            model_parallel_cpu_manual_seed(
+                seed, tp_rank, parallel_state.get_expert_model_parallel_rank())
 
     def _wire_model_config(self) -> None:
         """What Megatron-LM's ``train()`` sets on the model config for the schedules."""

@@ -16,25 +16,32 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 
-def layer_spec():
-    """The transformer-engine layer spec when TE imports, else megatron-core's local one."""
+def layer_spec(num_experts=None):
+    """The transformer-engine layer spec when TE imports, else megatron-core's local one
+    (with ``num_experts``: its MoE layer, one parameter per expert)."""
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     except Exception:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec()
+        return get_gpt_layer_local_spec(num_experts=num_experts)
 
 
 def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
     m, p = cfg.model, cfg.parallel
     vp = p.virtual_pipeline_model_parallel_size
     dtype = torch.bfloat16 if bf16 else torch.float32
+    moe = {}
+    if m.num_experts is not None:  # Mixtral-style: top-k router, load-balancing loss
+        moe = dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                   moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+                   expert_model_parallel_size=p.expert_model_parallel_size)
     return TransformerConfig(
+        **moe,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -83,7 +90,7 @@ class ModelBundle:
 def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: bool) -> ModelBundle:
     tconf = transformer_config(cfg, bf16, on_gpu)
     vp = cfg.parallel.virtual_pipeline_model_parallel_size
-    spec = layer_spec()
+    spec = layer_spec(cfg.model.num_experts)
     chunks = []
     for vp_stage in range(vp or 1):
         stage = vp_stage if vp else None
