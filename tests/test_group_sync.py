@@ -76,3 +76,62 @@ def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_
     if expert_members is not None:   # the two expert groups hold different experts
         by_group = {tuple(r["group_members"][1]): r["full_rank_rel_err"] for r in results}
         assert len(by_group) == 2
+
+
+def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
+    """megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm`` without Transformer
+    Engine) keeps 4 experts in two parameters; built here (its ``grouped_gemm`` kernel is a
+    CUDA package: only the availability check is skipped, the layout is the class's own),
+    each expert's block is one matrix entry, the very view the layer multiplies."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe import experts as experts_module
+
+    from megatron_edgc.compression.powersgd import BucketCompressor
+    from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
+    from megatron_edgc.patches.ddp import _grad_view, _matrix_entries, stacked_expert_shapes
+
+    apply_cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        model_parallel_cpu_manual_seed(1, 0)
+        monkeypatch.setattr(experts_module.gg, "assert_grouped_gemm_is_available",
+                            lambda: None)
+        h, f, e = 32, 48, 4
+        config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4,
+                                   ffn_hidden_size=f, moe_ffn_hidden_size=f,
+                                   num_moe_experts=e, add_bias_linear=False,
+                                   gated_linear_unit=True, activation_func=F.silu,
+                                   use_cpu_initialization=True)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        layer = experts_module.GroupedMLP(e, config,
+                                          ProcessGroupCollection.use_mpu_process_groups())
+        stacked = stacked_expert_shapes(layer)
+        assert stacked == {layer.weight1: (e, h, 2 * f), layer.weight2: (e, f, h)}
+        for p in (layer.weight1, layer.weight2):
+            p.main_grad = torch.randn_like(p)
+        entries = [entry for name, p in (("weight1", layer.weight1), ("weight2", layer.weight2))
+                   for entry in _matrix_entries(name, p, stacked)]
+        assert [(name, shape) for name, shape, _, _ in entries] == \
+            [(f"weight1.expert{i}", (h, 2 * f)) for i in range(e)] + \
+            [(f"weight2.expert{i}", (f, h)) for i in range(e)]
+        # the layer's own views: weight1.view(E, hidden, -1), weight2.view(E, -1, hidden)
+        w1 = layer.weight1.main_grad.view(e, h, -1)
+        w2 = layer.weight2.main_grad.view(e, -1, h)
+        for name, shape, p, i in entries:
+            view = _grad_view(p, shape, i)
+            want = (w1 if p is layer.weight1 else w2)[i]
+            assert view.data_ptr() == want.data_ptr() and torch.equal(view, want), name
+        # one shape group of E matrices per weight, each at the rank, not one wide matrix
+        comp = BucketCompressor([(name, shape) for name, shape, _, _ in entries], 4)
+        assert sorted((k, len(g.names)) for k, g in comp.groups.items()) == \
+            sorted([((f, h), e), ((h, 2 * f), e)])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
