@@ -93,6 +93,18 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-bypass", "sometimes"], "--edgc-bypass", "must be one of auto, off", None),
     (["--edgc-link-gbps", "0"], "--edgc-link-gbps", "(0.0, inf]", None),
     (["--last-word-examples", "-1"], "--last-word-examples", "[0, inf]", None),
+    (["--num-experts", "1"], "--num-experts", "[2, inf]", None),
+    (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
+      "--expert-model-parallel-size", "2"], "--expert-model-parallel-size",
+     "needs --num-experts", None),
+    (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4", "--num-experts", "6",
+      "--expert-model-parallel-size", "3"], "--expert-model-parallel-size",
+     "must divide the DP size (4); got 3", None),
+    (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4", "--num-experts", "6",
+      "--expert-model-parallel-size", "4"], "--num-experts",
+     "must be divisible by --expert-model-parallel-size (4); got 6", None),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk",
+     "must be <= --num-experts (4), got 5", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)
