@@ -62,6 +62,13 @@ TESTBEDS = {
                                  "--edgc-iter-sample-rate", "0.25", "--edgc-rank-min", "1",
                                  "--edgc-rank-step", "2", "--edgc-warmup-max-iters", "20"],
                            only=("dense", "paper")),
+    # MoE: the tiny default with 4 experts per layer (top-2, alltoall), EP 2 on DP 4: dense
+    # buckets over DP 4, experts over expert-DP 2 (the dense/expert bytes split in JSONL)
+    "tiny-moe-dp4": dict(flags=["--pipeline-model-parallel-size", "1",
+                                "--data-parallel-size", "4", "--num-experts", "4",
+                                "--expert-model-parallel-size", "2"],
+                         iters=800, r_max=8, static=[8], seeded_static=[8, 4],
+                         only=("dense", "paper")),
     # (b) configs/gpt2-small-cpu.yaml (6 layers, hidden 256) on 4 DP replicas
     "small-dp4": dict(flags=["--config", "configs/gpt2-small-cpu.yaml",
                              "--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"],

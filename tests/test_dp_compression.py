@@ -57,6 +57,10 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
         assert assert_dp_replicas_identical(results) > 0
     # The logging rank is the last stage, DP rank 0, TP rank 0.
     logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
+    if "dp1" in layout:  # a DP group of one: nothing to send, nothing approximated
+        assert all(r["dp_bytes_sent_job"] == r["dp_bytes_dense_job"] == 0 for r in records)
+        assert all(r["rank_dp"] is None for r in records)        # nothing compressed
+        return
     factor_bytes = 4 if fp32 else 2
     want = expected_bytes(logger, RANK, factor_bytes)
     want_job = sum(expected_bytes(r, RANK, factor_bytes) for r in results)

@@ -411,6 +411,21 @@ def test_moe_expert_parallel_job(megatron_lm, tmp_path):
 
     out, whole = _check_model_job(megatron_lm, tmp_path, MOE, EDGC_DP, want)
     assert "| dense " in out and " + expert " in out                # the progress line
+    # Resumed on EP 4 (one expert per rank, expert-DP 1): the rank controller's state is
+    # kept, the per-replica one starts fresh. (Megatron's distributed-optimizer state does
+    # not reshard across EP sizes here: the model is loaded, the optimizer starts fresh.)
+    moe_ep4 = MOE[:MOE.index("--expert-model-parallel-size") + 1] + ["4"] + \
+        MOE[MOE.index("--expert-model-parallel-size") + 2:]
+    out, _, ep4 = run_megatron_lm(megatron_lm, megatron_lm[2],
+                                  moe_ep4 + EDGC_DP + TORCH_DIST + [
+                                      "--load", str(tmp_path / "ckpt"), "--no-load-optim",
+                                      "--no-load-rng"], tmp_path, "ep4")
+    assert "EDGC: resumed on another EP size; per-replica state reset (dp_compression)" in out
+    assert [r["iteration"] for r in ep4] == [5, 6, 7, 8]
+    assert [r["rank_dp"] for r in ep4[:2]] == [r["rank_dp"] for r in whole[4:6]]
+    # expert-DP 1: the experts' buckets have no replica to reduce with: nothing sent
+    assert all(r["dp_expert_bytes_sent_job"] == r["dp_expert_bytes_dense_job"] == 0
+               for r in ep4)
 
 
 def test_llama_style_job(megatron_lm, tmp_path):

@@ -578,16 +578,19 @@ class DPGradientCompression:
             if owner.entropy_probe is not None:
                 for bucket in self.buckets:
                     owner.entropy_probe(owner._bucket_key[id(bucket)], bucket.grad_data)
-            if not owner.active:
-                dense = sum(_bucket_grad_bytes(b) for b in self.buckets)
-                owner.stats.add_bytes(dense, dense, owner._group_info(self).expert)
+            info = owner._group_info(self)
+            if not owner.active or info.size == 1:
+                # a group of one replica (DP 1, or expert-DP 1 when EP = DP): nothing goes
+                # on a wire, and compressing would only approximate: megatron-core's sync
+                dense = sum(_bucket_grad_bytes(b) for b in self.buckets) if info.size > 1 else 0
+                owner.stats.add_bytes(dense, dense, info.expert)
                 return original(original_start, force_all_reduce)
             assert self.grad_reduce_handle is None, \
                 "Should not have multiple communication calls outstanding at once"
             owner._start(self)
 
         def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
-            if not owner.active:
+            if not owner.active or owner._group_info(self).size == 1:
                 original(original_finish, force_all_reduce)
             else:
                 self.param_gather_dispatched = False

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.compression.powersgd import FACTOR_DTYPES
-from megatron_edgc.patches.ddp import DPGradientCompression
+from megatron_edgc.patches.ddp import DPGradientCompression, reduction_group
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator
 from megatron_edgc.patches.timing import StageTimer
 from megatron_edgc.runtime.rank_state import register_rank_state, unregister_rank_state
@@ -92,9 +92,10 @@ class EdgcRuntime:
                                    optimizer=optimizer)
             register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                 dp_invariant=True)
-        def grad_bytes(groups):
+        def grad_bytes(groups):  # what goes on a wire: groups of one replica send nothing
             return sum(b.grad_data.numel() * b.grad_data.element_size()
-                       for g in groups for b in g.buckets)
+                       for g in groups if dist.get_world_size(reduction_group(g)) > 1
+                       for b in g.buckets)
 
         # MoE: the expert-parallel buckets (reduced over the expert-DP group) apart
         self.dense_expert_bytes = sum(grad_bytes(c.expert_parallel_bucket_groups)
