@@ -1,0 +1,63 @@
+"""The matrices in one rank's shard of a DDP bucket (EDGC on the slow hop).
+
+With Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances``)
+each bucket is first reduce-scattered inside an instance: rank ``k`` of the instance then
+owns the contiguous range ``[k·L/s, (k+1)·L/s)`` of the bucket, summed over the instance,
+and all-reduces only that range across instances. A range cuts matrices. Each
+parameter's part of the shard is split, in the row-major order megatron-core lays it out,
+into
+
+* a block of whole rows ``[r0, r1) × m``: a matrix of its own, compressed like any other
+  (PowerSGD's ``P = Σ M_i Q`` is linear in the rows, so a row block of the instance sum
+  is the instance sum of the row blocks);
+* at most two partial rows at its ends, and every vector: sent dense.
+
+Pure index arithmetic, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_edgc.compression.powersgd import matrix_shape
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """A piece of the shard: ``numel`` elements from bucket offset ``start``, viewed as
+    ``shape`` (``(rows, m)`` for a row block, ``(1, numel)`` for a dense piece)."""
+
+    name: str
+    start: int
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def shard_pieces(params, shard_start: int, shard_end: int) -> list:
+    """The pieces of ``[shard_start, shard_end)`` covered by ``params``: ``(name, bucket
+    offset, shape)`` of each parameter. Bucket padding (covered by no parameter) is left
+    out: it is zero on every rank."""
+    pieces = []
+    for name, offset, shape in params:
+        n, m = matrix_shape(shape)
+        a, b = max(offset, shard_start), min(offset + n * m, shard_end)
+        if a >= b:
+            continue
+        la, lb = a - offset, b - offset
+        if n == 1 or m == 1:
+            pieces.append(ShardPiece(name, a, (1, b - a)))
+            continue
+        r0, r1 = -(-la // m), lb // m   # whole rows inside [la, lb)
+        if r1 <= r0:                    # no whole row: one partial piece
+            pieces.append(ShardPiece(name, a, (1, b - a)))
+            continue
+        if la < r0 * m:
+            pieces.append(ShardPiece(f"{name}[head]", a, (1, r0 * m - la)))
+        rows_name = name if (r0, r1) == (0, n) else f"{name}[rows {r0}:{r1}]"
+        pieces.append(ShardPiece(rows_name, offset + r0 * m, (r1 - r0, m)))
+        if r1 * m < lb:
+            pieces.append(ShardPiece(f"{name}[tail]", offset + r1 * m, (1, lb - r1 * m)))
+    return pieces
