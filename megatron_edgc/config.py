@@ -165,6 +165,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = knob(
         1, "MoE: expert-parallel size (EP): the experts are split over this many DP ranks, "
            "each expert reduced over DP / EP replicas", min=1)
+    num_distributed_optimizer_instances: int = knob(
+        1, "Megatron's partial distributed optimizer: DP split into this many instances; "
+           "gradients are reduce-scattered inside an instance (the fast hop) and each shard "
+           "all-reduced across instances (the slow hop, the one EDGC compresses)", min=1)
     overlap_grad_reduce: bool = knob(False, "launch each DP bucket's reduction during backward")
     use_distributed_optimizer: bool = knob(False, "shard optimizer state over DP (ZeRO-1)")
     bucket_size: Optional[int] = knob(None, "DDP bucket size in elements (default: Megatron's)",
@@ -614,6 +618,14 @@ class RunConfig:
             raise ConfigError("--num-experts", f"must be divisible by "
                                                f"--expert-model-parallel-size ({ep}); got "
                                                f"{m.num_experts}")
+        instances = p.num_distributed_optimizer_instances
+        if instances > 1 and not p.use_distributed_optimizer:
+            raise ConfigError("--num-distributed-optimizer-instances",
+                              f"shards the distributed optimizer: needs "
+                              f"--use-distributed-optimizer; got {instances}")
+        if instances > 1 and dp % instances:
+            raise ConfigError("--num-distributed-optimizer-instances",
+                              f"must divide the DP size ({dp}); got {instances}")
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError("--global-batch-size",
                               f"must be a multiple of micro batch x DP = {t.micro_batch_size} x {dp}"

@@ -9,6 +9,10 @@ Transformer Engine's), so the module is a transformer layer's MLP from the local
 CASE ``ep2``: DP 4 with expert parallelism 2; a MoE layer of the local spec (4 experts,
 top-2 router, alltoall dispatcher): the router's gradients are reduced over DP (4 ranks),
 the experts' over the expert-DP group (2 ranks).
+CASE ``inst2``: DP 4 as Megatron's partial distributed optimizer with 2 instances of 2
+ranks: each bucket is reduce-scattered inside the instance, and this rank's shard is
+compressed across instances (the slow hop); only the shard is compared (the distributed
+optimizer reads nothing else), and the residuals are checked for conservation.
 
 For two steps, each rank's gradient buffers after backward are reduced twice: by
 megatron-core's own sync, and by the patch at full rank with every matrix compressed
@@ -38,9 +42,11 @@ def build(case: str):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
-    cp, ep = (2, 1) if case == "cp2" else (1, 2)
+    cp, ep = {"cp2": (2, 1), "ep2": (1, 2), "inst2": (1, 1)}[case]
+    instances = 2 if case == "inst2" else 1
     parallel_state.initialize_model_parallel(context_parallel_size=cp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep,
+                                             num_distributed_optimizer_instances=instances)
     model_parallel_cpu_manual_seed(1234, 0, parallel_state.get_expert_model_parallel_rank())
     moe = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                moe_aux_loss_coeff=0.0) if ep > 1 else {}
@@ -51,8 +57,10 @@ def build(case: str):
                                bias_activation_fusion=False, **moe)
     spec = get_gpt_layer_local_spec(num_experts=4 if ep > 1 else None)
     module = build_module(spec.submodules.mlp, config=config)
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
-                                  module=module)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=instances > 1,
+        num_distributed_optimizer_instances=instances)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     return ddp, config
 
 
@@ -65,22 +73,48 @@ def main() -> None:
     ddp, _ = build(case)
     from megatron.core import parallel_state
 
-    from megatron_edgc.patches.ddp import DPGradientCompression, reduction_group
+    from megatron_edgc.patches.ddp import DPGradientCompression, _shard_range, reduction_group
 
     comp = DPGradientCompression([ddp], parallel_state.get_data_parallel_group(), rank=None,
                                  min_compression_rate=2.0, start_iter=0, seed=7)
     comp.set_iteration(0)
-    groups = [(g, reduction_group(g)) for g in ddp.bucket_groups
+    groups = [(g, comp._group_info(g).process_group) for g in ddp.bucket_groups
               + ddp.expert_parallel_bucket_groups]
     out = {"rank": rank, "group_sizes": [dist.get_world_size(pg) for _, pg in groups],
            "group_members": [dist.get_process_group_ranks(pg) for _, pg in groups],
            "expert": [i >= len(ddp.bucket_groups) for i in range(len(groups))],
            "bucket_shapes": [[list(p.shape) for p in b.params_list]
                              for g, _ in groups for b in g.buckets],
+           "bucket_offsets": [[(p.main_grad.data_ptr() - b.grad_data.data_ptr())
+                               // b.grad_data.element_size() for p in b.params_list]
+                              for g, _ in groups for b in g.buckets],
+           "shard_ranges": [],
            "full_rank_rel_err": [], "low_rank_bytes": [], "low_rank_expert_bytes": [],
-           "replicas_identical": [], "low_rank_rel_err": [], "grad_norms": []}
+           "replicas_identical": [], "low_rank_rel_err": [], "grad_norms": [],
+           "slow_hop_bytes": [], "conservation_rel_err": [],
+           "state_bytes": None, "shard_numel": [], "bucket_numel": []}
     gen = torch.Generator().manual_seed(100 + rank)
     buckets = [b for g, _ in groups for b in g.buckets]
+    keys = [comp._bucket_key[id(b)] for b in buckets]
+    infos = [comp._group_of[k] for k in keys]
+    # the part of each bucket a rank reads after the sync: its shard, or all of it
+    parts = [_shard_range(b, i) if i.slow_hop else (0, b.grad_data.numel())
+             for b, i in zip(buckets, infos)]
+    out["shard_numel"] = [hi - lo for lo, hi in parts]
+    out["shard_ranges"] = parts
+    out["bucket_numel"] = [b.grad_data.numel() for b in buckets]
+
+    def residual_in_bucket(key, bucket):
+        """The compressor's residuals at their places in the bucket (zero elsewhere)."""
+        full = torch.zeros_like(bucket.grad_data, dtype=torch.float32)
+        matrices = comp._matrices[key]
+        for g in comp.compressors[key].groups.values():
+            if g.residual is None:
+                continue
+            for j, i in enumerate(g.indices):
+                shape, offset = matrices[i]
+                full[offset:offset + shape[0] * shape[1]] = g.residual[j].float().view(-1)
+        return full
     for step in range(2):
         ddp.zero_grad_buffer()
         x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen, requires_grad=True)
@@ -98,19 +132,38 @@ def main() -> None:
             return [b.grad_data.clone() for b in buckets]
 
         dense = sync(None)                           # megatron-core's own reduction
+        dense = [d[lo:hi] for d, (lo, hi) in zip(dense, parts)]
         full = max(min(s) for shapes in out["bucket_shapes"] for s in shapes if len(s) == 2)
         for c in comp.compressors.values():
             c.compress_all = True                    # every matrix, even at full rank
             for g in c.groups.values():              # no error feedback from the last step
                 if g.residual is not None:
                     g.residual.zero_()
-        compressed = sync(full)
+        compressed = [c[lo:hi] for c, (lo, hi) in zip(sync(full), parts)]
         out["full_rank_rel_err"].append(
             [((c - d).norm() / d.norm()).item() for c, d in zip(compressed, dense)])
         for c in comp.compressors.values():
             c.compress_all = False
-        low = sync(LOW_RANK)
+        before = [residual_in_bucket(k, b) for k, b in zip(keys, buckets)]
+        low = [x[lo:hi] for x, (lo, hi) in zip(sync(LOW_RANK), parts)]
+        after = [residual_in_bucket(k, b) for k, b in zip(keys, buckets)]
+        # conservation: over the compressed collective's group, the sum of what went in
+        # (the instance-reduced shard plus the old residual) less the new residuals is the
+        # result every member holds
+        errors = []
+        for (lo, hi), g, e0, e1, r, info in zip(parts, local, before, after, low, infos):
+            scaled = g * (1.0 / 4)                   # megatron's 1/DP before the reduction
+            if info.slow_hop:
+                shard = torch.empty(hi - lo)
+                dist.reduce_scatter_tensor(shard, scaled.clone(), group=info.intra)
+            else:
+                shard = scaled[lo:hi].clone()
+            total = shard + e0[lo:hi] - e1[lo:hi]
+            dist.all_reduce(total, group=info.process_group)
+            errors.append(((total - r).norm() / r.norm()).item())
+        out["conservation_rel_err"].append(errors)
         out["low_rank_bytes"].append(comp.stats.bytes_sent)
+        out["slow_hop_bytes"].append(comp.stats.slow_hop_bytes_sent)
         out["low_rank_expert_bytes"].append(comp.stats.expert_bytes_sent)
         out["low_rank_rel_err"].append(
             [((c - d).norm() / d.norm()).item() for c, d in zip(low, dense)])
@@ -124,6 +177,7 @@ def main() -> None:
                 dist.all_gather(gathered, mine, group=pg)
                 identical.append(all(torch.equal(mine, other) for other in gathered))
         out["replicas_identical"].append(identical)
+    out["state_bytes"] = comp.state_bytes()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)

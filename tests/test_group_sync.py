@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from megatron_edgc.compression.shard import shard_pieces
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOW_RANK = 4
@@ -42,15 +43,28 @@ def bucket_bytes(shapes: list, rank: int) -> int:
     return 4 * (factors + dense + 1)
 
 
+def shard_bytes(shapes, offsets, shard, rank: int) -> int:
+    """The slow hop of one bucket shard at ``rank`` with fp32 factors: its pieces
+    (``compression/shard.py``), row blocks compressed where they pay, the rest dense, and a
+    flag."""
+    pieces = shard_pieces([(str(i), o, tuple(s)) for i, (s, o) in
+                           enumerate(zip(shapes, offsets))], *shard)
+    return bucket_bytes([p.shape for p in pieces], rank)
+
+
 @pytest.mark.parametrize("case,sizes,expert_members", [
     ("cp2", [4], None),                     # DP 2 × CP 2: the dense buckets over all four
     ("ep2", [4, 2], [[0, 2], [1, 3]]),      # DP 4, EP 2: the experts over 2 replicas each
+    ("inst2", [2], [[0, 2], [1, 3]]),       # 2 optimizer instances of 2: shards across
 ])
 def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_members,
                                                             tmp_path):
     results = run_case(case, str(tmp_path / case))
     for r in results:
         assert r["group_sizes"] == sizes
+        if case == "inst2":
+            check_slow_hop(r, expert_members)
+            continue
         assert r["group_members"][0] == [0, 1, 2, 3]
         if expert_members is not None:
             assert r["expert"] == [False, True]
@@ -73,7 +87,7 @@ def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_
                 assert (err > 0.05) if compressed else (err < 1e-5), (shape_list, err)
         # replicas bit-identical over each bucket's reduction group
         assert all(all(step) for step in r["replicas_identical"])
-    if expert_members is not None:   # the two expert groups hold different experts
+    if case == "ep2":   # the two expert groups hold different experts
         by_group = {tuple(r["group_members"][1]): r["full_rank_rel_err"] for r in results}
         assert len(by_group) == 2
 
@@ -135,3 +149,25 @@ def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def check_slow_hop(r: dict, inter_members: list) -> None:
+    """One rank of ``inst2``: its shard equals Megatron's partial distributed optimizer at
+    full rank, the slow hop carries the shard's pieces, nothing is lost, the replicas agree
+    and the error feedback covers the shard only."""
+    assert r["group_members"][0] in inter_members and r["rank"] in r["group_members"][0]
+    (shapes,), (offsets,), (shard,) = r["bucket_shapes"], r["bucket_offsets"], r["shard_ranges"]
+    assert shard[1] - shard[0] == r["bucket_numel"][0] // 2
+    for errors in r["full_rank_rel_err"]:
+        assert max(errors) < 1e-5, errors
+    slow = shard_bytes(shapes, offsets, shard, LOW_RANK)
+    assert r["slow_hop_bytes"] == [slow] * 2
+    # the instance's reduce-scatter stays dense: the whole bucket goes in
+    assert r["low_rank_bytes"] == [4 * r["bucket_numel"][0] + slow] * 2
+    assert slow < 0.1 * 4 * (shard[1] - shard[0])
+    for errors in r["conservation_rel_err"]:
+        assert max(errors) < 1e-5, errors
+    assert all(all(step) for step in r["replicas_identical"])
+    # error feedback (residual + Q) of the shard: about half of the whole matrices'
+    whole = sum(4 * math.prod(s) for s in shapes if len(s) == 2)
+    assert 0.4 * whole < r["state_bytes"] <= 0.55 * whole, (r["state_bytes"], whole)

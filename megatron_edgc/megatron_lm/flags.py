@@ -61,6 +61,9 @@ def run_config(args) -> RunConfig:
     p.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size
     p.overlap_grad_reduce = args.overlap_grad_reduce
     p.use_distributed_optimizer = args.use_distributed_optimizer
+    p.num_distributed_optimizer_instances = getattr(args, "num_distributed_optimizer_instances",
+                                                    1)
+    p.expert_model_parallel_size = getattr(args, "expert_model_parallel_size", 1)
     t.micro_batch_size, t.global_batch_size = args.micro_batch_size, args.global_batch_size
     t.train_iters = args.train_iters or (args.train_samples or 0) // args.global_batch_size
     t.seed = args.seed
@@ -85,9 +88,6 @@ def _refuse_unsupported(args) -> None:
 
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         refuse("--use-torch-fsdp2/--use-megatron-fsdp", "the patch compresses DDP's buckets")
-    if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
-        refuse("--num-distributed-optimizer-instances", "the inter-instance all-reduce of "
-                                                        "each shard is not compressed yet")
     if getattr(args, "moe_grouped_gemm", False) and \
             getattr(args, "transformer_impl", "") != "transformer_engine":
         refuse("--moe-grouped-gemm", "without --transformer-impl transformer_engine Megatron "

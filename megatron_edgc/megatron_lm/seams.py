@@ -21,7 +21,7 @@ from megatron_edgc.config import ConfigError
 from megatron_edgc.megatron_lm.checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
 from megatron_edgc.megatron_lm.flags import run_config
 from megatron_edgc.megatron_lm.state import state as _state
-from megatron_edgc.runtime.telemetry import expert_split
+from megatron_edgc.runtime.telemetry import expert_split, slow_hop
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
 TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
@@ -221,6 +221,8 @@ def _log_line(rec: dict) -> None:
              f"dp {rec['dp_bytes_sent_job'] / 2 ** 20:.2f} MiB (saved {100 * saved:.1f} %)"]
     if "dp_expert_bytes_sent_job" in rec:
         parts.append(expert_split(rec))
+    if "dp_slow_hop_bytes_sent_job" in rec:
+        parts.append(slow_hop(rec))
     if "rank_pp" in rec:
         parts.append(f"rank pp {rec['rank_pp']}")
     if "pp_bytes_sent_job" in rec:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
+from megatron_edgc.compression.shard import shard_pieces
 from megatron_edgc.patches import features
 from megatron_edgc.patches.timing import IntervalClock
 
@@ -80,6 +81,8 @@ class DPSyncStats:
     bytes_dense: int = 0     # bytes plain megatron-core would have placed
     expert_bytes_sent: int = 0   # of those, the expert-parallel buckets' (MoE)
     expert_bytes_dense: int = 0
+    slow_hop_bytes_sent: int = 0   # of those, across distributed-optimizer instances
+    slow_hop_bytes_dense: int = 0
     compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
     comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
                              # time the stream waited for them)
@@ -96,6 +99,7 @@ class DPSyncStats:
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
         self.expert_bytes_sent = self.expert_bytes_dense = 0
+        self.slow_hop_bytes_sent = self.slow_hop_bytes_dense = 0
         self.bypassed_buckets = 0
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
@@ -103,14 +107,18 @@ class DPSyncStats:
         self.events = []
         self._intervals, self._nonfinite = [], []
 
-    def add_bytes(self, sent: int, dense: int, expert: bool) -> None:
+    def add_bytes(self, sent: int, dense: int, expert: bool, slow_hop: bool = False) -> None:
         """Count ``sent`` bytes placed into collectives where megatron-core would place
-        ``dense`` (``expert``: an expert-parallel bucket)."""
+        ``dense`` (``expert``: an expert-parallel bucket; ``slow_hop``: across
+        distributed-optimizer instances)."""
         self.bytes_sent += sent
         self.bytes_dense += dense
         if expert:
             self.expert_bytes_sent += sent
             self.expert_bytes_dense += dense
+        if slow_hop:
+            self.slow_hop_bytes_sent += sent
+            self.slow_hop_bytes_dense += dense
 
     def add_time(self, name: str, start) -> None:
         """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
@@ -227,12 +235,46 @@ def _bucket_digest(bucket) -> torch.Tensor:
 
 @dataclass
 class _GroupInfo:
-    """A bucket group's reduction: its process group and whether it holds expert
-    parameters."""
+    """A bucket group's reduction: the process group the compressed collectives run on,
+    whether it holds expert parameters, and with Megatron's partial distributed optimizer
+    (``--num-distributed-optimizer-instances`` > 1) the instance's group, whose dense
+    reduce-scatter comes first (``process_group`` is then the inter-instance group: the
+    slow hop, where only this rank's shard is compressed)."""
 
     process_group: object
     size: int
     expert: bool
+    intra: object = None
+    intra_size: int = 1
+    intra_rank: int = 0
+
+    @property
+    def slow_hop(self) -> bool:
+        return self.intra is not None
+
+
+def _group_info(bucket_group, expert: bool) -> _GroupInfo:
+    instances = getattr(bucket_group.ddp_config, "num_distributed_optimizer_instances", 1)
+    if instances > 1:
+        names = ("intra_distributed_optimizer_instance_group",
+                 "intra_distributed_optimizer_instance_size",
+                 "intra_distributed_optimizer_instance_rank",
+                 "inter_distributed_optimizer_instance_group")
+        _require_attributes(bucket_group, names, "_ParamAndGradBucketGroup")
+        inter = bucket_group.inter_distributed_optimizer_instance_group
+        return _GroupInfo(inter, dist.get_world_size(inter), expert,
+                          intra=bucket_group.intra_distributed_optimizer_instance_group,
+                          intra_size=bucket_group.intra_distributed_optimizer_instance_size,
+                          intra_rank=bucket_group.intra_distributed_optimizer_instance_rank)
+    pg = reduction_group(bucket_group)
+    return _GroupInfo(pg, dist.get_world_size(pg), expert)
+
+
+def _shard_range(bucket, info: _GroupInfo) -> tuple:
+    """This rank's shard of ``bucket`` after the instance's reduce-scatter (megatron-core's
+    ``shard_buffer``: equal contiguous parts in intra-instance rank order)."""
+    size = bucket.grad_data.numel() // info.intra_size
+    return info.intra_rank * size, (info.intra_rank + 1) * size
 
 
 class DPGradientCompression:
@@ -241,6 +283,10 @@ class DPGradientCompression:
     Each bucket is compressed over the group megatron-core reduces it on
     (:func:`reduction_group`): dense buckets over DP (×CP), MoE experts' over the
     expert-data-parallel group; ``dp_group`` is only this rank's DP group for messages.
+    With Megatron's partial distributed optimizer the instance's reduce-scatter stays
+    dense and only this rank's shard of each bucket is compressed, across instances
+    (:mod:`megatron_edgc.compression.shard`): the math and the error feedback per rank
+    are 1/s of the bucket's (s ranks per instance).
 
     ``rank`` is a static rank or the controller's entry for this pipeline stage, ``None``
     meaning dense (EDGC's warm-up); ``iteration`` is set by the training loop and
@@ -280,7 +326,7 @@ class DPGradientCompression:
         self._declared_link = link
         self.links: dict = {}  # process group -> LinkModel (measured or declared)
         self._group_of: dict[str, _GroupInfo] = {}  # bucket key -> its reduction
-        self._matrices: dict[str, list] = {}     # bucket key -> [(shape, param, expert)]
+        self._matrices: dict[str, list] = {}     # bucket key -> [((n, m), bucket offset)]
         self._param_names: dict[str, list] = {}  # bucket key -> [(name, param)]
         self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
@@ -291,17 +337,27 @@ class DPGradientCompression:
             dense_groups = list(chunk.bucket_groups)
             for gi, group in enumerate(dense_groups + chunk.expert_parallel_bucket_groups):
                 _require_attributes(group, _GROUP_ATTRIBUTES, "_ParamAndGradBucketGroup")
-                pg = reduction_group(group)
-                info = _GroupInfo(pg, dist.get_world_size(pg), expert=gi >= len(dense_groups))
+                info = _group_info(group, expert=gi >= len(dense_groups))
                 for bi, bucket in enumerate(group.buckets):
                     _require_attributes(bucket, _BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
-                    matrices = [entry for p in bucket.params_list
-                                for entry in _matrix_entries(names[p], p, stacked)]
-                    self._matrices[key] = [(shape, p, e) for _, shape, p, e in matrices]
+                    base = bucket.grad_data.data_ptr()
+                    size = bucket.grad_data.element_size()
+                    # (name, (n, m), offset in the bucket) of every matrix
+                    matrices = [(name, shape, (p.main_grad.data_ptr() - base) // size
+                                 + (e or 0) * shape[0] * shape[1])
+                                for p in bucket.params_list
+                                for name, shape, _, e in _matrix_entries(names[p], p, stacked)]
+                    if info.slow_hop:  # this rank's shard: row blocks and dense pieces
+                        pieces = shard_pieces([(name, offset, shape)
+                                               for name, shape, offset in matrices],
+                                              *_shard_range(bucket, info))
+                        matrices = [(pc.name, pc.shape, pc.start) for pc in pieces]
+                    self._matrices[key] = [(shape, offset) for _, shape, offset in matrices]
                     self._param_names[key] = [(names[p], p) for p in bucket.params_list]
                     self.compressors[key] = BucketCompressor(
-                        [(name, shape) for name, shape, _, _ in matrices], rank or 1, min_compression_rate=min_compression_rate,
+                        [(name, shape) for name, shape, _ in matrices], rank or 1,
+                        min_compression_rate=min_compression_rate,
                         seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype,
                         ef_dtype=ef_dtype)
                     self._bucket_key[id(bucket)] = key
@@ -447,17 +503,14 @@ class DPGradientCompression:
         offsets), so the timed step takes the strided path the real one takes."""
         bucket = self._buckets[key]
         scratch = torch.randn_like(bucket.grad_data, dtype=torch.float32)
-        base, size = bucket.grad_data.data_ptr(), bucket.grad_data.element_size()
-        grads = []
-        for shape, p, expert in self._matrices[key]:
-            numel = shape[0] * shape[1]
-            start = (p.main_grad.data_ptr() - base) // size + (expert or 0) * numel
-            grads.append(scratch[start:start + numel].view(shape))
-        return grads
+        return [scratch[o:o + shape[0] * shape[1]].view(shape)
+                for shape, o in self._matrices[key]]
 
     def _grads(self, key: str) -> list:
-        """Views of bucket ``key``'s gradients, one per matrix entry of its compressor."""
-        return [_grad_view(p, shape, expert) for shape, p, expert in self._matrices[key]]
+        """Views of bucket ``key``'s gradients, one per matrix entry of its compressor
+        (a parameter, an expert's block of a stacked one, a piece of this rank's shard)."""
+        data = self._buckets[key].grad_data
+        return [data[o:o + shape[0] * shape[1]].view(shape) for shape, o in self._matrices[key]]
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -518,8 +571,12 @@ class DPGradientCompression:
         bits, MIN and MAX over the group). Collectives on every group; a debug check
         (``--edgc-check-replicas``)."""
         mismatches = 0
-        for pg, _ in self._process_groups():
-            keys = [k for k in self.compressors if self._group_of[k].process_group is pg]
+        groups = [(pg, lambda info, pg=pg: info.process_group is pg)
+                  for pg, _ in self._process_groups()]
+        intra = {id(i.intra): i.intra for i in self._group_of.values() if i.slow_hop}
+        groups += [(g, lambda info, g=g: info.intra is g) for g in intra.values()]
+        for pg, member in groups:
+            keys = [k for k in self.compressors if member(self._group_of[k])]
             digest = torch.stack([_bucket_digest(self._buckets[k]) for k in keys])
             low, high = digest.clone(), digest
             dist.all_reduce(high, op=dist.ReduceOp.MAX, group=pg)
@@ -582,8 +639,7 @@ class DPGradientCompression:
             if not owner.active or info.size == 1:
                 # a group of one replica (DP 1, or expert-DP 1 when EP = DP): nothing goes
                 # on a wire, and compressing would only approximate: megatron-core's sync
-                dense = sum(_bucket_grad_bytes(b) for b in self.buckets) if info.size > 1 else 0
-                owner.stats.add_bytes(dense, dense, info.expert)
+                owner._count_dense(self, info)
                 return original(original_start, force_all_reduce)
             assert self.grad_reduce_handle is None, \
                 "Should not have multiple communication calls outstanding at once"
@@ -605,6 +661,17 @@ class DPGradientCompression:
         group.start_grad_sync = types.MethodType(start_grad_sync, group)
         group.finish_grad_sync = types.MethodType(finish_grad_sync, group)
 
+    def _count_dense(self, group, info: _GroupInfo) -> None:
+        """The bytes megatron-core's own sync of ``group`` places into collectives."""
+        for bucket in group.buckets:
+            dense = _bucket_grad_bytes(bucket)
+            if info.slow_hop:  # the instance's reduce-scatter, then the shard across
+                self.stats.add_bytes(dense, dense, info.expert)
+                shard = dense // info.intra_size if info.size > 1 else 0
+                self.stats.add_bytes(shard, shard, info.expert, slow_hop=True)
+            elif info.size > 1:
+                self.stats.add_bytes(dense, dense, info.expert)
+
     def _group_info(self, group) -> _GroupInfo:
         return self._group_of[self._bucket_key[id(group.buckets[0])]]
 
@@ -614,8 +681,10 @@ class DPGradientCompression:
         async_op = group.ddp_config.overlap_grad_reduce
         info = self._group_info(group)
         pg = info.process_group
-        # average_in_collective: megatron-core reduces with AVG over the group
-        scale_extra = 1.0 / info.size if group.ddp_config.average_in_collective else 1.0
+        # average_in_collective: megatron-core reduces with AVG over the group (and over
+        # the instance first, with the partial distributed optimizer)
+        scale_extra = 1.0 / (info.size * info.intra_size) \
+            if group.ddp_config.average_in_collective else 1.0
         launched = []
         for bucket in group.buckets:
             t0 = stats.clock.stamp()
@@ -624,13 +693,25 @@ class DPGradientCompression:
                 bucket.grad_data *= factor
             key = self._bucket_key[id(bucket)]
             comp = self.compressors[key]
+            data, dense_bytes = bucket.grad_data, _bucket_grad_bytes(bucket)
+            if info.slow_hop:
+                # the fast hop, dense: the instance's reduce-scatter leaves this rank's
+                # shard summed over the instance (in place, as megatron-core does)
+                lo, hi = _shard_range(bucket, info)
+                data = bucket.grad_data[lo:hi]
+                stats.add_time("compress_s", t0)
+                t0 = stats.clock.stamp()
+                dist.reduce_scatter_tensor(data, bucket.grad_data, group=info.intra)
+                stats.add_time("comm_s", t0)
+                stats.add_bytes(dense_bytes, dense_bytes, info.expert)
+                dense_bytes = data.numel() * data.element_size()
+                t0 = stats.clock.stamp()
             grads = self._grads(key)
             if key in self.dense_keys:  # the bypass: this bucket's compression would not pay
                 comp.absorb_residual(grads)
-                handle = dist.all_reduce(bucket.grad_data, group=pg, async_op=async_op)
+                handle = dist.all_reduce(data, group=pg, async_op=async_op)
                 stats.bypassed_buckets += 1
-                stats.add_bytes(_bucket_grad_bytes(bucket), _bucket_grad_bytes(bucket),
-                                info.expert)
+                stats.add_bytes(dense_bytes, dense_bytes, info.expert, info.slow_hop)
                 launched.append((key, None, None, None, [handle]))
                 continue
             bufs, step = comp.start(grads)
@@ -639,7 +720,7 @@ class DPGradientCompression:
             handles = [dist.all_reduce(buf, group=pg, async_op=async_op) for buf in bufs]
             stats.add_time("comm_s", t0)
             stats.add_bytes(sum(buf.numel() * buf.element_size() for buf in bufs),
-                            _bucket_grad_bytes(bucket), info.expert)
+                            dense_bytes, info.expert, info.slow_hop)
             launched.append((key, comp, bufs, step, handles))
 
         def finish():
@@ -665,7 +746,8 @@ class DPGradientCompression:
                 q_handle = None
                 if q_buf.numel():
                     q_handle = dist.all_reduce(q_buf, group=pg, async_op=True)
-                    stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert)
+                    stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert,
+                                    info.slow_hop)
                 stats.add_time("comm_s", t0)
                 in_flight.append((comp, step, q_buf, q_handle))
             for comp, step, q_buf, q_handle in in_flight:

@@ -68,9 +68,14 @@ class EdgcRuntime:
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype])
+            instances = cfg.parallel.num_distributed_optimizer_instances
+            hop = "" if instances == 1 else (
+                f"; compressing the slow hop only: each rank's shard across {instances} "
+                f"distributed-optimizer instances (the reduce-scatter inside an instance "
+                f"stays dense)")
             self.log(f"EDGC: error-feedback state {self.dp_compression.state_bytes() / 2**20:.1f}"
                      f" MiB per rank at rank {e.rank} ({e.ef_dtype} residual, "
-                     f"{e.factor_dtype} factors)")
+                     f"{e.factor_dtype} factors){hop}")
             register_rank_state("dp_compression", self.dp_compression.state_dict,
                                 self.dp_compression.load_state_dict)
         # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.
@@ -103,6 +108,7 @@ class EdgcRuntime:
         self.dense_dp_bytes = self.dense_expert_bytes + sum(grad_bytes(c.bucket_groups)
                                                             for c in chunks)
         self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
+        self.slow_hop = cfg.parallel.num_distributed_optimizer_instances > 1
 
     def close(self) -> None:
         """Drop this runtime's checkpoint-registry entries."""
@@ -183,8 +189,10 @@ class EdgcRuntime:
         n_stages = self.num_stages
         check = self.cfg.edgc.check_replicas and self.dp_compression is not None
         mismatches = self.dp_compression.replica_mismatches() if check else 0
+        slow_sent = st.slow_hop_bytes_sent if st else 0
+        slow_dense = st.slow_hop_bytes_dense if st else 0
         head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0,
-                expert_sent, expert_dense, mismatches]
+                expert_sent, expert_dense, mismatches, slow_sent, slow_dense]
         times = torch.zeros(len(STAGE_TIMES), 2, n_stages, dtype=torch.float64)
         timing = self.timer.finish()
         values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
@@ -206,6 +214,10 @@ class EdgcRuntime:
                "dp_bytes_sent_job": int(totals[0].item()),
                "dp_bytes_dense_job": int(totals[1].item()),
                "rank_dp": self.rank_per_stage(st)}
+        if self.slow_hop:  # the partial distributed optimizer: across instances
+            rec.update(dp_slow_hop_bytes_sent=slow_sent, dp_slow_hop_bytes_dense=slow_dense,
+                       dp_slow_hop_bytes_sent_job=int(totals[7].item()),
+                       dp_slow_hop_bytes_dense_job=int(totals[8].item()))
         if check:  # buckets (job-wide) whose replicas differ in a bit
             rec["dp_replica_mismatches"] = int(totals[6].item())
         if self.has_experts:  # MoE: the expert buckets' share of the above

@@ -97,6 +97,13 @@ def expert_split(rec: dict) -> str:
     return f"dense {dense / 2**20:.2f} + expert {expert / 2**20:.2f} MiB"
 
 
+def slow_hop(rec: dict) -> str:
+    """The bytes across distributed-optimizer instances (job-wide) and their saving."""
+    sent, dense = rec["dp_slow_hop_bytes_sent_job"], rec["dp_slow_hop_bytes_dense_job"]
+    saved = 1.0 - sent / dense if dense else 0.0
+    return f"slow hop {sent / 2**20:.2f} MiB (saved {100 * saved:.1f}%)"
+
+
 def format_progress(it: int, total: int, rec: dict) -> str:
     parts = [f"iteration {it:>6d}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.3e}",
              f"{rec['iter_ms']:8.1f} ms/iter", f"{rec['tokens_per_s']:9.0f} tok/s",
@@ -111,6 +118,8 @@ def format_progress(it: int, total: int, rec: dict) -> str:
         parts.append(f"dp {rec['dp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")
         if "dp_expert_bytes_sent_job" in rec:
             parts.append(expert_split(rec))
+        if "dp_slow_hop_bytes_sent_job" in rec:
+            parts.append(slow_hop(rec))
     if "pp_bytes_sent_job" in rec:
         saved = 1.0 - rec["pp_bytes_sent_job"] / max(1, rec["pp_bytes_dense_job"])
         rank = rec.get("rank_pp")

@@ -56,7 +56,8 @@ class Trainer:
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-            expert_model_parallel_size=p.expert_model_parallel_size)
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            num_distributed_optimizer_instances=p.num_distributed_optimizer_instances)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()

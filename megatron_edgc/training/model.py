@@ -120,6 +120,7 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=cfg.parallel.bucket_size,
+        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
     )
     chunks = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=chunk,
                                       disable_bucketing=i > 0)
