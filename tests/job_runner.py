@@ -69,6 +69,19 @@ def main() -> int:
                         "bucket_shapes": [[tuple(p.shape) for p in b.params_list]
                                           for c in trainer.bundle.chunks
                                           for g in c.bucket_groups for b in g.buckets],
+                        "bucket_offsets": [
+                            [(p.main_grad.data_ptr() - b.grad_data.data_ptr())
+                             // b.grad_data.element_size() for p in b.params_list]
+                            for c in trainer.bundle.chunks
+                            for g in c.bucket_groups for b in g.buckets],
+                        "bucket_numel": [b.grad_data.numel() for c in trainer.bundle.chunks
+                                         for g in c.bucket_groups for b in g.buckets],
+                        "instance_rank": getattr(trainer.bundle.chunks[0].bucket_groups[0],
+                                                 "intra_distributed_optimizer_instance_rank",
+                                                 None),
+                        "instance_size": getattr(trainer.bundle.chunks[0].bucket_groups[0],
+                                                 "intra_distributed_optimizer_instance_size",
+                                                 None),
                         "expert_bucket_shapes": [
                             [tuple(p.shape) for p in b.params_list]
                             for c in trainer.bundle.chunks

@@ -203,3 +203,60 @@ def test_moe_experts_compressed_over_expert_dp_with_bytes_from_shapes(small_mode
     predicted = stage_param_shapes(cfg.model, cfg.parallel, cfg.data.tokenizer_vocab_size)
     real = [tuple(t.shape) for t in logger["params"].values()]
     assert sorted(real) == sorted(predicted[0])
+
+
+#: Megatron's partial distributed optimizer: DP 4 as 2 instances of 2 ranks.
+INSTANCES = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
+             "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+
+
+def slow_hop_bytes(result: dict, rank: int) -> int:
+    """A rank's slow-hop bytes per iteration at ``rank``: the pieces of its shard of each
+    bucket (``compression/shard.py``), bf16 factors, the rest and a flag in fp32 (bf16
+    riding with P without a dense rest)."""
+    from megatron_edgc.compression.shard import shard_pieces
+
+    total = 0
+    s, k = result["instance_size"], result["instance_rank"]
+    for shapes, offsets, numel in zip(result["bucket_shapes"], result["bucket_offsets"],
+                                      result["bucket_numel"]):
+        size = numel // s
+        pieces = shard_pieces([(str(i), o, sh) for i, (sh, o) in
+                               enumerate(zip(shapes, offsets))], k * size, (k + 1) * size)
+        total += expected_bytes({"bucket_shapes": [[p.shape for p in pieces]]}, rank)
+    return total
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_slow_hop_compression_on_partial_distributed_optimizer(small_model_argv, tmp_path,
+                                                              overlap):
+    """Only each rank's shard goes compressed across instances: the slow-hop bytes from
+    the shard's pieces, the whole bucket dense inside the instance, every replica
+    bit-identical, and the loss of Megatron's dense partial distributed optimizer."""
+    extra = ["--overlap-grad-reduce", "--bucket-size", "20000"] if overlap else []
+    runs = {}
+    for mode in ("off", "static"):
+        metrics = str(tmp_path / f"{mode}.jsonl")
+        results = run_job(small_model_argv + INSTANCES + extra + [
+            "--edgc-mode", mode, "--edgc-rank", str(RANK), "--metrics-file", metrics],
+            str(tmp_path / mode))
+        runs[mode] = (results, read_jsonl(metrics))
+    results, records = runs["static"]
+    assert sorted((r["dp"], r["instance_rank"]) for r in results) == \
+        [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert assert_dp_replicas_identical(results) > 0            # all four: one replica set
+    logger = next(r for r in results if r["dp"] == 0)
+    slow = slow_hop_bytes(logger, RANK)
+    slow_job = sum(slow_hop_bytes(r, RANK) for r in results)
+    rs = 4 * sum(logger["bucket_numel"])                     # the dense reduce-scatter
+    dense_records = runs["off"][1]
+    for rec, off in zip(records, dense_records):
+        assert rec["dp_slow_hop_bytes_sent"] == slow
+        assert rec["dp_slow_hop_bytes_sent_job"] == slow_job
+        assert rec["dp_bytes_sent"] == rs + slow
+        assert rec["dp_slow_hop_bytes_dense"] == rs // 2     # the shard, dense
+        assert rec["dp_slow_hop_bytes_sent"] < 0.1 * rec["dp_slow_hop_bytes_dense"]
+        assert off["dp_bytes_dense"] == rec["dp_bytes_dense"]
+    losses, dense = [r["loss"] for r in records], [r["loss"] for r in dense_records]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert abs(losses[-1] - dense[-1]) < 0.1, (losses[-1], dense[-1])

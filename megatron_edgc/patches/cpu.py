@@ -230,6 +230,7 @@ def apply_cpu_shims(allow_untested: bool = False) -> bool:
     null = NullStream()
     torch.cuda.Stream = lambda *args, **kwargs: null
     torch.cuda.current_stream = lambda *args, **kwargs: null
+    torch.cuda.default_stream = lambda *args, **kwargs: null  # partial distributed optimizer
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     install_cpu_rng_tracker()
     _moe_cpu_shims()

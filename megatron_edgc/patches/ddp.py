@@ -270,6 +270,23 @@ def _group_info(bucket_group, expert: bool) -> _GroupInfo:
     return _GroupInfo(pg, dist.get_world_size(pg), expert)
 
 
+def megatron_sync_bytes(bucket_group) -> tuple:
+    """``(bytes, of those across distributed-optimizer instances)`` that megatron-core's own
+    sync of ``bucket_group`` places into collectives per iteration: each bucket over its
+    group (nothing over a group of one), or with the partial distributed optimizer the
+    whole bucket reduce-scattered inside the instance and this rank's shard across."""
+    info = _group_info(bucket_group, expert=False)
+    total = slow = 0
+    for bucket in bucket_group.buckets:
+        dense = _bucket_grad_bytes(bucket)
+        if info.slow_hop:
+            shard = dense // info.intra_size
+            total, slow = total + dense + shard, slow + shard
+        elif info.size > 1:
+            total += dense
+    return total, slow
+
+
 def _shard_range(bucket, info: _GroupInfo) -> tuple:
     """This rank's shard of ``bucket`` after the instance's reduce-scatter (megatron-core's
     ``shard_buffer``: equal contiguous parts in intra-instance rank order)."""
@@ -663,14 +680,9 @@ class DPGradientCompression:
 
     def _count_dense(self, group, info: _GroupInfo) -> None:
         """The bytes megatron-core's own sync of ``group`` places into collectives."""
-        for bucket in group.buckets:
-            dense = _bucket_grad_bytes(bucket)
-            if info.slow_hop:  # the instance's reduce-scatter, then the shard across
-                self.stats.add_bytes(dense, dense, info.expert)
-                shard = dense // info.intra_size if info.size > 1 else 0
-                self.stats.add_bytes(shard, shard, info.expert, slow_hop=True)
-            elif info.size > 1:
-                self.stats.add_bytes(dense, dense, info.expert)
+        total, slow = megatron_sync_bytes(group)
+        self.stats.add_bytes(total - slow, total - slow, info.expert)
+        self.stats.add_bytes(slow, slow, info.expert, slow_hop=True)
 
     def _group_info(self, group) -> _GroupInfo:
         return self._group_of[self._bucket_key[id(group.buckets[0])]]

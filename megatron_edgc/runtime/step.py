@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.compression.powersgd import FACTOR_DTYPES
-from megatron_edgc.patches.ddp import DPGradientCompression, reduction_group
+from megatron_edgc.patches.ddp import DPGradientCompression, megatron_sync_bytes
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator
 from megatron_edgc.patches.timing import StageTimer
 from megatron_edgc.runtime.rank_state import register_rank_state, unregister_rank_state
@@ -97,16 +97,13 @@ class EdgcRuntime:
                                    optimizer=optimizer)
             register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                 dp_invariant=True)
-        def grad_bytes(groups):  # what goes on a wire: groups of one replica send nothing
-            return sum(b.grad_data.numel() * b.grad_data.element_size()
-                       for g in groups if dist.get_world_size(reduction_group(g)) > 1
-                       for b in g.buckets)
-
-        # MoE: the expert-parallel buckets (reduced over the expert-DP group) apart
-        self.dense_expert_bytes = sum(grad_bytes(c.expert_parallel_bucket_groups)
-                                      for c in chunks)
-        self.dense_dp_bytes = self.dense_expert_bytes + sum(grad_bytes(c.bucket_groups)
-                                                            for c in chunks)
+        # megatron-core's own sync: MoE's expert buckets and the slow hop apart
+        dense = [megatron_sync_bytes(g) for c in chunks for g in c.bucket_groups]
+        expert = [megatron_sync_bytes(g) for c in chunks
+                  for g in c.expert_parallel_bucket_groups]
+        self.dense_expert_bytes = sum(total for total, _ in expert)
+        self.dense_dp_bytes = self.dense_expert_bytes + sum(total for total, _ in dense)
+        self.dense_slow_hop_bytes = sum(slow for _, slow in dense + expert)
         self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
         self.slow_hop = cfg.parallel.num_distributed_optimizer_instances > 1
 
@@ -189,8 +186,8 @@ class EdgcRuntime:
         n_stages = self.num_stages
         check = self.cfg.edgc.check_replicas and self.dp_compression is not None
         mismatches = self.dp_compression.replica_mismatches() if check else 0
-        slow_sent = st.slow_hop_bytes_sent if st else 0
-        slow_dense = st.slow_hop_bytes_dense if st else 0
+        slow_sent = st.slow_hop_bytes_sent if st else self.dense_slow_hop_bytes
+        slow_dense = st.slow_hop_bytes_dense if st else self.dense_slow_hop_bytes
         head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0,
                 expert_sent, expert_dense, mismatches, slow_sent, slow_dense]
         times = torch.zeros(len(STAGE_TIMES), 2, n_stages, dtype=torch.float64)
