@@ -106,7 +106,7 @@ def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
 
     from megatron_edgc.compression.powersgd import BucketCompressor
     from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
-    from megatron_edgc.patches.ddp import _grad_view, _matrix_entries, stacked_expert_shapes
+    from megatron_edgc.patches.ddp import _matrix_entries, stacked_expert_shapes
 
     apply_cpu_shims()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
@@ -139,7 +139,8 @@ def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
         w1 = layer.weight1.main_grad.view(e, h, -1)
         w2 = layer.weight2.main_grad.view(e, -1, h)
         for name, shape, p, i in entries:
-            view = _grad_view(p, shape, i)
+            numel = shape[0] * shape[1]   # the patch's view: the entry's offset in the bucket
+            view = p.main_grad.view(-1)[i * numel:(i + 1) * numel].view(shape)
             want = (w1 if p is layer.weight1 else w2)[i]
             assert view.data_ptr() == want.data_ptr() and torch.equal(view, want), name
         # one shape group of E matrices per weight, each at the rank, not one wide matrix

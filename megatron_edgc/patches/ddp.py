@@ -204,11 +204,21 @@ def _matrix_entries(name: str, param, stacked: dict) -> list:
     return [(name, matrix_shape(param.shape), param, None)]
 
 
-def _grad_view(param, shape, expert):
-    """The ``main_grad`` of one matrix entry (an expert's block of a stacked parameter)."""
-    if expert is None:
-        return param.main_grad.view(shape)
-    return param.main_grad.view(-1, *shape)[expert]
+def _in_buffer(param) -> torch.Tensor:
+    """A parameter's gradient in its bucket's ``grad_data``: its ``main_grad``, or where
+    megatron-core 0.19+ accumulates it apart in fp32
+    (``param_name_patterns_for_fp32_local_accumulation``) the slice it copies it into."""
+    copy = getattr(param, "main_grad_copy_in_grad_buffer", None)
+    return param.main_grad if copy is None else copy
+
+
+def _copy_extra_main_grads(bucket, into_buffer: bool) -> None:
+    """megatron-core 0.19+: the fp32 ``main_grad``s kept apart from the bucket, copied into
+    it before the reduction and back after (as its own start/finish_grad_sync do)."""
+    for param in getattr(bucket, "params_with_extra_main_grads", ()):
+        copy = getattr(param, "main_grad_copy_in_grad_buffer", None)
+        if copy is not None:
+            (copy.copy_(param.main_grad) if into_buffer else param.main_grad.copy_(copy))
 
 
 def _bits_digest(data: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
@@ -361,7 +371,7 @@ class DPGradientCompression:
                     base = bucket.grad_data.data_ptr()
                     size = bucket.grad_data.element_size()
                     # (name, (n, m), offset in the bucket) of every matrix
-                    matrices = [(name, shape, (p.main_grad.data_ptr() - base) // size
+                    matrices = [(name, shape, (_in_buffer(p).data_ptr() - base) // size
                                  + (e or 0) * shape[0] * shape[1])
                                 for p in bucket.params_list
                                 for name, shape, _, e in _matrix_entries(names[p], p, stacked)]
@@ -700,6 +710,7 @@ class DPGradientCompression:
         launched = []
         for bucket in group.buckets:
             t0 = stats.clock.stamp()
+            _copy_extra_main_grads(bucket, into_buffer=True)
             factor = bucket.gradient_scaling_factor * scale_extra
             if factor != 1.0:
                 bucket.grad_data *= factor
@@ -770,5 +781,7 @@ class DPGradientCompression:
                 t0 = stats.clock.stamp()
                 comp.finish(step, q_buf)
                 stats.add_time("compress_s", t0)
+            for bucket in group.buckets:
+                _copy_extra_main_grads(bucket, into_buffer=False)
 
         group.grad_reduce_handle = _PendingSync(finish)
