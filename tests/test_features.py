@@ -151,3 +151,24 @@ def test_cli_prints_the_missing_feature_as_one_error_line(monkeypatch, capsys,
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: megatron-core ")
     assert "schedules.backward_step (the timing patch)" in err[0]
+
+
+def test_instances_overlap_bug_is_refused_on_gpu_only():
+    """Megatron-LM issue #3670: megatron-core before 0.19 syncs the partial distributed
+    optimizer's communication stream with the default stream: refused on a GPU with
+    --overlap-grad-reduce, naming the flag's combination; fine without overlap, with one
+    instance, or on CPU (one null stream)."""
+    from megatron_edgc.patches.features import (instances_overlap_waits_on_current_stream,
+                                                megatron_core_version,
+                                                refuse_instances_overlap)
+
+    fixed = instances_overlap_waits_on_current_stream()
+    assert fixed == (tuple(int(x) for x in megatron_core_version().split(".")[:2]) >= (0, 19))
+    assert refuse_instances_overlap(2, False, True) is None
+    assert refuse_instances_overlap(1, True, True) is None
+    assert refuse_instances_overlap(2, True, False) is None
+    why = refuse_instances_overlap(2, True, True)
+    if fixed:
+        assert why is None
+    else:
+        assert "issue #3670" in why and "drop --overlap-grad-reduce" in why

@@ -93,6 +93,14 @@ def _refuse_unsupported(args) -> None:
         refuse("--moe-grouped-gemm", "without --transformer-impl transformer_engine Megatron "
                                      "stacks the experts into one parameter; with it each "
                                      "expert is its own weight, compressed as its own matrix")
+    import torch
+
+    from megatron_edgc.patches.features import refuse_instances_overlap
+
+    why = refuse_instances_overlap(getattr(args, "num_distributed_optimizer_instances", 1),
+                                   args.overlap_grad_reduce, torch.cuda.is_available())
+    if why:
+        raise ConfigError("--overlap-grad-reduce", why)
     if getattr(args, "non_persistent_save_interval", None):
         refuse("--non-persistent-save-interval", "EDGC state is saved with persistent "
                                                  "checkpoints only")

@@ -310,6 +310,29 @@ def grad_sync_takes_force_all_reduce() -> bool:
     return "force_all_reduce" in _params(resolve(_PPG, "_ParamAndGradBucketGroup.start_grad_sync"))
 
 
+def instances_overlap_waits_on_current_stream() -> bool:
+    """With ``num_distributed_optimizer_instances`` > 1 and ``overlap_grad_reduce``,
+    megatron-core runs the reductions on a communication stream; before Megatron-LM PR
+    #3693 (issue #3670, wrong gradients) that stream waited for, and was waited on by, the
+    *default* stream instead of the current one. Fixed where ``finish_grad_sync`` waits on
+    ``torch.cuda.current_stream()`` (0.19.x; 0.13.x-0.18.x have the bug)."""
+    source = _source(resolve(_PPG, "_ParamAndGradBucketGroup.finish_grad_sync")) or ""
+    return "current_stream().wait_stream" in source
+
+
+def refuse_instances_overlap(instances: int, overlap: bool, on_gpu: bool) -> Optional[str]:
+    """Why ``--overlap-grad-reduce`` with ``instances`` distributed-optimizer instances must
+    not run here, or None: on a GPU, with a megatron-core whose instance streams are wrong
+    (:func:`instances_overlap_waits_on_current_stream`). On CPU every stream is the one
+    null stream, so the wrong wait cannot reorder anything."""
+    if instances > 1 and overlap and on_gpu and not instances_overlap_waits_on_current_stream():
+        return (f"with --num-distributed-optimizer-instances {instances}, megatron-core "
+                f"{megatron_core_version()} syncs its communication stream with the default "
+                f"stream instead of the current one (Megatron-LM issue #3670, fixed in "
+                f"0.19): drop --overlap-grad-reduce or use megatron-core >= 0.19")
+    return None
+
+
 def schedule_form(fn=None) -> str:
     """How a pipeline schedule takes a communicator: ``"pg_collection"`` (0.15.x, 0.16.x:
     ``p2p_communicator=`` and ``pg_collection=``), ``"grad_finalize_pgs"`` (0.14.x:

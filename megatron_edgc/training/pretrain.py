@@ -21,6 +21,15 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv, world_size=launch.world_size if launch else None)
         check_megatron_version(cfg.allow_untested_megatron)
+        import torch
+
+        from megatron_edgc.patches.features import refuse_instances_overlap
+
+        p = cfg.parallel
+        why = refuse_instances_overlap(p.num_distributed_optimizer_instances,
+                                       p.overlap_grad_reduce, torch.cuda.is_available())
+        if why:
+            raise ConfigError("--overlap-grad-reduce", why)
     except (ConfigError, UnsupportedMegatronVersion) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
