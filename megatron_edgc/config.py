@@ -485,6 +485,10 @@ class EdgcConfig:
                   choices=("marchenko-pastur", "calibrated"))
     check_table: bool = knob(False, "debug: compare a hash of the rank table over all ranks "
                                     "at every window end and fail loudly on a mismatch")
+    compress_single_replica: bool = knob(
+        False, "validation: compress buckets reduced over a single replica too (DP 1, "
+               "expert-DP 1), which by default are left to megatron-core (nothing to send, "
+               "nothing to approximate): exercises the compression path on one device")
     check_replicas: bool = knob(False, "debug: every iteration, compare a digest of each "
                                        "DDP bucket's parameters over the group it is reduced "
                                        "on (JSONL dp_replica_mismatches: 0 when every "

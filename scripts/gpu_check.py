@@ -53,7 +53,9 @@ E2E_ITERS = 40
 E2E_FLAGS = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
              "--train-iters", str(E2E_ITERS), "--eval-interval", str(E2E_ITERS),
              "--eval-iters", "2", "--log-interval", "10", "--lr-warmup-iters", "5",
-             "--edgc-bypass", "off", "--edgc-window", "5", "--edgc-warmup-max-iters", "10"]
+             "--edgc-bypass", "off", "--edgc-window", "5", "--edgc-warmup-max-iters", "10",
+             # one device: DP 1 is compressed only when asked (nothing is sent)
+             "--edgc-compress-single-replica"]
 MODE_FLAGS = {"off": ["--edgc-mode", "off"], "static": ["--edgc-mode", "static"],
               "edgc": ["--edgc-mode", "edgc"]}
 GLOO4 = {"static-dp": ["--edgc-mode", "static"],
@@ -325,7 +327,8 @@ def sync_probe(path: str, device: str) -> int:
 
     cfg = parse_config(["--config", "configs/tiny-cpu.yaml", "--pipeline-model-parallel-size",
                         "1", "--data-parallel-size", "1", "--edgc-mode", "static",
-                        "--edgc-bypass", "off", "--overlap-grad-reduce", "--bucket-size",
+                        "--edgc-bypass", "off", "--edgc-compress-single-replica",
+                        "--overlap-grad-reduce", "--bucket-size",
                         "500000", "--train-iters", "10", "--lr-warmup-iters", "2"], world_size=1)
     init_worker(cfg, 0, 1, 0)
     syncs = []

@@ -331,7 +331,7 @@ class DPGradientCompression:
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
-                 ef_dtype: torch.dtype = torch.float32):
+                 ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False):
         features.require("ddp")
         # megatron-core 0.16.x: start/finish_grad_sync(force_all_reduce=False) and a
         # first-batch mode; 0.13.x-0.15.x: no argument, no first-batch mode.
@@ -358,6 +358,8 @@ class DPGradientCompression:
         self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
         self.seed = seed
+        # buckets reduced over one replica: left to megatron-core unless validating
+        self.compress_single_replica = compress_single_replica
         for ci, chunk in enumerate(chunks):
             names = {p: f"chunk{ci}.{n}" for n, p in chunk.module.named_parameters()}
             stacked = stacked_expert_shapes(chunk.module)
@@ -663,7 +665,7 @@ class DPGradientCompression:
                 for bucket in self.buckets:
                     owner.entropy_probe(owner._bucket_key[id(bucket)], bucket.grad_data)
             info = owner._group_info(self)
-            if not owner.active or info.size == 1:
+            if not owner.active or owner._single_replica(info):
                 # a group of one replica (DP 1, or expert-DP 1 when EP = DP): nothing goes
                 # on a wire, and compressing would only approximate: megatron-core's sync
                 owner._count_dense(self, info)
@@ -673,7 +675,7 @@ class DPGradientCompression:
             owner._start(self)
 
         def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
-            if not owner.active or owner._group_info(self).size == 1:
+            if not owner.active or owner._single_replica(owner._group_info(self)):
                 original(original_finish, force_all_reduce)
             else:
                 self.param_gather_dispatched = False
@@ -687,6 +689,9 @@ class DPGradientCompression:
 
         group.start_grad_sync = types.MethodType(start_grad_sync, group)
         group.finish_grad_sync = types.MethodType(finish_grad_sync, group)
+
+    def _single_replica(self, info: _GroupInfo) -> bool:
+        return info.size == 1 and not self.compress_single_replica
 
     def _count_dense(self, group, info: _GroupInfo) -> None:
         """The bytes megatron-core's own sync of ``group`` places into collectives."""

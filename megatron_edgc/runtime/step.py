@@ -67,7 +67,8 @@ class EdgcRuntime:
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
-                factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype])
+                factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype],
+                compress_single_replica=e.compress_single_replica)
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
                 f"; compressing the slow hop only: each rank's shard across {instances} "
