@@ -134,7 +134,8 @@ SHAPES = {"w1": (64, 48), "w2": (64, 48), "w3": (48, 96), "b": (48,)}
 
 def fake_ddp_chunk(n_buckets: int = 2):
     """A DDP chunk as the patch sees it: one bucket group of ``n_buckets`` buckets, each
-    holding every parameter of :data:`SHAPES` as views of its flat ``grad_data``."""
+    holding every parameter of :data:`SHAPES` as views of its flat ``grad_data``, reduced
+    over the (one-process) default group."""
     module = torch.nn.Module()
     buckets = []
     for b in range(n_buckets):
@@ -150,7 +151,9 @@ def fake_ddp_chunk(n_buckets: int = 2):
                                              gradient_scaling_factor=1.0))
     group = types.SimpleNamespace(
         buckets=buckets, grad_reduce_handle=None, param_gather_dispatched=False,
-        ddp_config=types.SimpleNamespace(overlap_grad_reduce=True, average_in_collective=False),
+        ddp_config=types.SimpleNamespace(overlap_grad_reduce=True, average_in_collective=False,
+                                         use_distributed_optimizer=False),
+        data_parallel_group=dist.group.WORLD,
         start_grad_sync=lambda *a, **k: None, finish_grad_sync=lambda *a, **k: None)
     return types.SimpleNamespace(module=module, bucket_groups=[group],
                                  expert_parallel_bucket_groups=[])
@@ -178,6 +181,7 @@ def compressed_dp_step(compression, chunk, gen, nan_in=None):
 def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
     chunk = fake_ddp_chunk()
     compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            compress_single_replica=True,
                                             min_compression_rate=2.0, start_iter=0, seed=0)
     gen = torch.Generator().manual_seed(1)
     compression.set_iteration(0)
@@ -278,6 +282,7 @@ def test_dp_sync_times_are_cuda_events_resolved_once_per_step(one_process_group,
 
     chunk = fake_ddp_chunk(n_buckets=2)
     compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            compress_single_replica=True,
                                             min_compression_rate=2.0, start_iter=0, seed=0)
     compression.stats.clock = IntervalClock(use_cuda=True)  # as on a GPU
     gen = torch.Generator().manual_seed(2)
