@@ -3,6 +3,13 @@
 every link shaped with ``tc … tbf`` (FINDINGS.md "Slow links on one machine").
 
     sudo python bench/netns.py --rate 1gbit --selftest     # measure gloo all-reduce
+    sudo python bench/netns.py --rate 100mbit --ranks-per-namespace 2 --selftest
+
+Two levels (``ranks_per_namespace`` > 1, the partial distributed optimizer's cluster): the
+ranks of one instance share a namespace, so traffic between them stays on that
+namespace's own stack (fast, unshaped), and only traffic between namespaces crosses the
+shaped veth links: the slow hop. Its bytes are read from the veth counters
+(:meth:`ShapedNetwork.link_bytes`), not computed.
 
 Each rank ``i`` gets namespace ``<tag>-r<i>`` holding one end of a veth pair with address
 10.<net>.0.<i+1>/24; the other end joins the bridge ``<tag>br`` in the root namespace
@@ -52,13 +59,19 @@ def rate_bits(rate: str) -> float:
 
 
 class ShapedNetwork:
-    """``with ShapedNetwork(4, "1gbit") as net: net.run(argv)`` — ``rate=None``: unshaped."""
+    """``with ShapedNetwork(4, "1gbit") as net: net.run(argv)`` — ``rate=None``: unshaped;
+    ``ranks_per_namespace``: consecutive ranks sharing a namespace (one fast domain)."""
 
-    def __init__(self, n_ranks: int, rate: Optional[str]):
+    def __init__(self, n_ranks: int, rate: Optional[str], ranks_per_namespace: int = 1):
         if n_ranks < 1:
             raise ValueError("need at least one rank")
+        if ranks_per_namespace < 1 or n_ranks % ranks_per_namespace:
+            raise ValueError(f"{ranks_per_namespace} ranks per namespace must divide "
+                             f"{n_ranks} ranks")
         if rate is not None:
             rate_bits(rate)
+        self.ranks, self.per_ns = n_ranks, ranks_per_namespace
+        n_ranks //= ranks_per_namespace   # below: namespaces
         self.n, self.rate = n_ranks, rate
         pid = os.getpid() % 100000
         self.tag = f"e{pid}"
@@ -72,7 +85,17 @@ class ShapedNetwork:
         self._old_handlers: dict = {}
 
     def address(self, i: int) -> str:
+        """Namespace ``i``'s address."""
         return f"10.{self.net}.0.{i + 1}"
+
+    def link_bytes(self) -> int:
+        """Bytes delivered so far over the shaped links: every byte between namespaces
+        leaves the bridge through the host end of its destination's veth (tx counter)."""
+        total = 0
+        for dev in self.host_dev:
+            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as fh:
+                total += int(fh.read())
+        return total
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,13 +166,14 @@ class ShapedNetwork:
         """Run ``argv`` once per rank inside its namespace (torchrun environment); returns
         the return codes. If one rank fails, the others are stopped."""
         procs = []
-        for i, ns in enumerate(self.namespaces):
+        for i in range(self.ranks):
+            k = i // self.per_ns                      # the rank's namespace
             rank_env = {**os.environ, **(env or {}), "RANK": str(i),
-                        "WORLD_SIZE": str(self.n), "LOCAL_RANK": "0",
+                        "WORLD_SIZE": str(self.ranks), "LOCAL_RANK": str(i % self.per_ns),
                         "MASTER_ADDR": self.address(0), "MASTER_PORT": str(port),
-                        "GLOO_SOCKET_IFNAME": self.ns_dev[i]}
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=rank_env,
-                                          cwd=cwd))
+                        "GLOO_SOCKET_IFNAME": self.ns_dev[k]}
+            procs.append(subprocess.Popen(["ip", "netns", "exec", self.namespaces[k], *argv],
+                                          env=rank_env, cwd=cwd))
         deadline = None if timeout is None else time.monotonic() + timeout
         codes: list = [None] * len(procs)
         while any(c is None for c in codes):
@@ -181,13 +205,21 @@ def alpha_beta_allreduce_s(nbytes: float, n_ranks: int, rate: str, alpha_s: floa
 _SELFTEST = r"""
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
+per = int(os.environ["EDGC_PER_NS"]); world = dist.get_world_size(); rank = dist.get_rank()
 x = torch.ones(int(os.environ["EDGC_NUMEL"]))
-dist.all_reduce(x)
-t = []
-for _ in range(3):
-    dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(x); t.append(time.perf_counter() - t0)
-if dist.get_rank() == 0:
-    print(f"ALLREDUCE {min(t):.6f}", flush=True)
+groups = {"all": None}
+if per > 1:  # within a namespace, and across namespaces (one rank of each)
+    intra = [dist.new_group(list(range(s, s + per))) for s in range(0, world, per)]
+    inter = [dist.new_group(list(range(k, world, per))) for k in range(per)]
+    groups = {"intra": intra[rank // per], "inter": inter[rank % per]}
+for name, g in groups.items():
+    dist.all_reduce(x, group=g)
+    t = []
+    for _ in range(3):
+        dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(x, group=g)
+        t.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(f"ALLREDUCE {name} {min(t):.6f}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -199,6 +231,8 @@ def main() -> int:
     p.add_argument("--rate", default="1gbit", help="tbf rate, e.g. 100mbit, 1gbit; "
                                                    "'none': unshaped")
     p.add_argument("--numel", type=int, default=1_600_000)
+    p.add_argument("--ranks-per-namespace", type=int, default=1,
+                   help="consecutive ranks sharing a namespace (a fast domain)")
     p.add_argument("--selftest", action="store_true",
                    help="time a gloo all-reduce of 6.4 MB vs the alpha-beta model")
     args = p.parse_args()
@@ -208,20 +242,24 @@ def main() -> int:
     numel = args.numel
     rate = None if args.rate == "none" else args.rate
     try:
-        with ShapedNetwork(args.ranks, rate) as net:
+        with ShapedNetwork(args.ranks, rate, args.ranks_per_namespace) as net:
             import tempfile
 
             with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
                 fh.write(_SELFTEST)
-            codes = net.run([sys.executable, fh.name], env={"EDGC_NUMEL": str(numel)},
-                            timeout=300)
+            before = net.link_bytes()
+            codes = net.run([sys.executable, fh.name],
+                            env={"EDGC_NUMEL": str(numel),
+                                 "EDGC_PER_NS": str(args.ranks_per_namespace)}, timeout=300)
+            print(f"bytes over the shaped links {net.link_bytes() - before}")
             os.unlink(fh.name)
     except NetnsUnavailable as exc:
         print(f"namespaces unavailable ({exc})")
         return 0
     if rate is not None:
-        print(f"modelled all-reduce {alpha_beta_allreduce_s(numel * 4, args.ranks, rate) * 1e3:.1f}"
-              f" ms")
+        across = args.ranks // args.ranks_per_namespace
+        print(f"modelled all-reduce across {across} namespaces "
+              f"{alpha_beta_allreduce_s(numel * 4, across, rate) * 1e3:.1f} ms")
     return 0 if all(c == 0 for c in codes) else 1
 
 
