@@ -86,7 +86,7 @@ demo: install data
 	$(PY) scripts/demo.py
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not extended" tests
 
 # No dependency on `install`/`venv312`: the compat runs reuse the venvs as they are.
 test-compat:
@@ -105,6 +105,8 @@ test-compat:
 		$$py -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || failed="$$failed $$v"; \
 		echo "== megatron-core $$v: $$(( $$(date +%s) - start )) s"; \
 	done; \
+	echo "== the extended cases (pytest -m extended; each Megatron-LM tag with its megatron-core)"; \
+	PYTHONPATH= $(PY) -m pytest -q -p no:cacheprovider -m extended tests || failed="$$failed extended"; \
 	if [ -n "$$failed" ]; then echo "test-compat failed on:$$failed"; exit 1; fi; \
 	echo "test-compat passed on: $(VERSIONS)"
 

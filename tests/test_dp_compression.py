@@ -227,7 +227,8 @@ def slow_hop_bytes(result: dict, rank: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("overlap", [
+    False, pytest.param(True, marks=pytest.mark.extended)], ids=["no-overlap", "overlap"])
 def test_slow_hop_compression_on_partial_distributed_optimizer(small_model_argv, tmp_path,
                                                               overlap):
     """Only each rank's shard goes compressed across instances: the slow-hop bytes from

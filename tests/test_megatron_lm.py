@@ -430,6 +430,7 @@ def test_moe_expert_parallel_job(megatron_lm, tmp_path):
                for r in ep4)
 
 
+@pytest.mark.extended   # 80 s a tag: make test-compat (CI's make test keeps under 20 min)
 def test_llama_style_job(megatron_lm, tmp_path):
     """SwiGLU, RoPE, GQA, RMSNorm, no biases, untied embeddings on TP1·PP2·DP2 with DP and
     PP compression."""
@@ -448,6 +449,7 @@ INSTANCES = ["--pipeline-model-parallel-size", "1", "--num-distributed-optimizer
              "2"]
 
 
+@pytest.mark.extended   # 70 s a tag: make test-compat
 def test_partial_distributed_optimizer_job(megatron_lm, tmp_path):
     """Mode off is Megatron-LM's partial distributed optimizer bitwise; EDGC compresses the
     slow hop only (the reduce-scatter inside an instance stays dense), every replica stays

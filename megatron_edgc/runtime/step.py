@@ -238,6 +238,7 @@ class EdgcRuntime:
             rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
+                       dp_ef_bytes=self.dp_compression.state_bytes(),
                        dp_nonfinite_buckets=st.nonfinite_buckets,
                        dp_bypassed_buckets=st.bypassed_buckets,
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
