@@ -1,11 +1,14 @@
 """Run real multi-process megatron-core jobs (gloo, local workers) from a test."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import torch
+
+from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,3 +63,21 @@ def assert_dp_replicas_identical(results):
                     f"{name} differs between DP replicas of (tp, pp, ep) = {key}"
                 compared += 1
     return compared
+
+
+def compressed_bucket_bytes(shapes, rank, factor_bytes: int = 2) -> int:
+    """The DP bytes of one bucket of parameters ``shapes`` at ``rank`` (None: dense), from
+    the shapes: (n+m)·r factor elements per compressed matrix at ``factor_bytes`` each (bf16,
+    the default: 2), the rest dense in fp32, and one flag: fp32, or with bf16 factors in
+    bf16 when the bucket has no dense rest (it then rides with P)."""
+    if rank is None:
+        return 4 * sum(math.prod(s) for s in shapes)
+    factors = dense = 0
+    for shape in shapes:
+        n, m = matrix_shape(shape)
+        if n > 1 and is_compressible(n, m, rank, 2.0):
+            factors += (n + m) * rank
+        else:
+            dense += math.prod(shape)
+    flag = 4 if dense or factor_bytes == 4 else factor_bytes
+    return factor_bytes * factors + 4 * dense + flag

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from distributed import LAYOUTS, assert_dp_replicas_identical, read_jsonl, run_job
-from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from distributed import (LAYOUTS, assert_dp_replicas_identical, compressed_bucket_bytes,
+                         read_jsonl, run_job)
 from megatron_edgc.config import parse_config
 from megatron_edgc.model_shapes import stage_param_shapes
 
@@ -14,22 +14,10 @@ RANK = 4
 
 
 def expected_bytes(result: dict, rank: int, factor_bytes: int = 2) -> int:
-    """From the shapes of each DP bucket of one rank's ``result``: (n+m) r factor elements
-    per compressed matrix at ``factor_bytes`` each (bf16, the default: 2), the rest dense in
-    fp32, and one flag per bucket: fp32, or with bf16 factors in bf16 when the bucket has no
-    dense rest (it then rides with P)."""
-    total = 0
-    for shapes in result["bucket_shapes"]:
-        factors, dense = 0, 0
-        for shape in shapes:
-            n, m = matrix_shape(shape)
-            if n > 1 and is_compressible(n, m, rank, 2.0):
-                factors += (n + m) * rank
-            else:
-                dense += math.prod(shape)
-        flag = 4 if dense or factor_bytes == 4 else factor_bytes
-        total += factor_bytes * factors + 4 * dense + flag
-    return total
+    """From the shapes of each DP bucket of one rank's ``result``
+    (:func:`distributed.compressed_bucket_bytes`)."""
+    return sum(compressed_bucket_bytes(shapes, rank, factor_bytes)
+               for shapes in result["bucket_shapes"])
 
 
 #: Overlapped reduce and the distributed optimizer together (the version-compat run's DP case).

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from distributed import compressed_bucket_bytes
 from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
 from megatron_edgc.compression.shard import shard_pieces
 
@@ -31,16 +32,8 @@ def run_case(case: str, out_dir: str) -> list:
 
 
 def bucket_bytes(shapes: list, rank: int) -> int:
-    """One bucket at ``rank`` with fp32 factors: (n+m)·r per compressed matrix, the rest
-    dense, one flag."""
-    factors = dense = 0
-    for shape in shapes:
-        n, m = matrix_shape(shape)
-        if n > 1 and is_compressible(n, m, rank, 2.0):
-            factors += (n + m) * rank
-        else:
-            dense += math.prod(shape)
-    return 4 * (factors + dense + 1)
+    """One bucket at ``rank`` with fp32 factors (the patch's default here)."""
+    return compressed_bucket_bytes(shapes, rank, factor_bytes=4)
 
 
 def shard_bytes(shapes, offsets, shard, rank: int) -> int:

@@ -15,7 +15,6 @@ import difflib
 import functools
 import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import tarfile
 
 import pytest
 
+from distributed import compressed_bucket_bytes
 from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
 from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
@@ -344,18 +344,8 @@ def llama_stage_shapes() -> list:
 
 
 def bf16_factor_bytes(shapes, rank) -> int:
-    """One bucket at ``rank`` (None: dense): (n+m)·r bf16 factor elements per compressed
-    matrix, the rest in fp32, one flag (fp32; bf16 riding with P without a dense rest)."""
-    if rank is None:
-        return 4 * sum(math.prod(s) for s in shapes)
-    factors = dense = 0
-    for shape in shapes:
-        n, m = matrix_shape(shape)
-        if n > 1 and is_compressible(n, m, rank, 2.0):
-            factors += (n + m) * rank
-        else:
-            dense += math.prod(shape)
-    return 2 * factors + 4 * dense + (4 if dense else 2)
+    """One bucket at ``rank`` (None: dense) with bf16 factors."""
+    return compressed_bucket_bytes(shapes, rank, factor_bytes=2)
 
 
 def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes):
