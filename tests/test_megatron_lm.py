@@ -454,3 +454,20 @@ def test_partial_distributed_optimizer_job(megatron_lm, tmp_path):
         # the instance's reduce-scatter is all that is left of the job's dense bytes
         rs = rec["dp_bytes_dense_job"] - rec["dp_slow_hop_bytes_dense_job"]
         assert rec["dp_bytes_sent_job"] == rs + rec["dp_slow_hop_bytes_sent_job"]
+
+
+def test_moe_allgather_dispatcher(megatron_lm, tmp_path):
+    """The allgather token dispatcher (``--moe-token-dispatcher-type allgather``) with
+    EDGC: the same bytes per group as alltoall's, replicas bit-identical, the loss falls."""
+    moe = MOE[:MOE.index("alltoall")] + ["allgather"] + MOE[MOE.index("alltoall") + 1:]
+    _, losses, records = run_megatron_lm(megatron_lm, megatron_lm[2],
+                                         moe + EDGC_DP + ["--edgc-check-replicas"], tmp_path,
+                                         "allgather")
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+    for rec in records:
+        assert rec["dp_replica_mismatches"] == 0
+        if not any(rec["rank_dp"] or []):
+            continue
+        per_rank = {e: bf16_factor_bytes(s, rec["rank_dp"][0]) for e, s in moe_buckets()}
+        assert rec["dp_bytes_sent_job"] == 4 * (per_rank[False] + per_rank[True])
+        assert rec["dp_expert_bytes_sent_job"] == 4 * per_rank[True]
