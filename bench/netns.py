@@ -205,7 +205,7 @@ def alpha_beta_allreduce_s(nbytes: float, n_ranks: int, rate: str, alpha_s: floa
 _SELFTEST = r"""
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
-per = int(os.environ["EDGC_PER_NS"]); world = dist.get_world_size(); rank = dist.get_rank()
+per = int(os.environ.get("EDGC_PER_NS", "1")); world = dist.get_world_size(); rank = dist.get_rank()
 x = torch.ones(int(os.environ["EDGC_NUMEL"]))
 groups = {"all": None}
 if per > 1:  # within a namespace, and across namespaces (one rank of each)

@@ -60,3 +60,43 @@ def test_not_root_is_a_clear_error(monkeypatch):
     with pytest.raises(NetnsUnavailable, match="root"):
         with ShapedNetwork(2, "1gbit"):
             pass
+
+
+_TWO_LEVEL = r"""
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, numel = dist.get_rank(), int(os.environ["EDGC_NUMEL"])
+intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+inter = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+x = torch.ones(numel)
+phase = os.environ["EDGC_PHASE"]
+dist.barrier()
+dist.all_reduce(x, group=intra if phase == "intra" else inter)
+dist.barrier()
+assert x[0].item() == 2.0
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.parametrize("phase", ["intra", "inter"])
+def test_two_level_cluster_shapes_only_the_links_between_instances(tmp_path, phase):
+    """Two namespaces of two ranks (the partial distributed optimizer's instances): an
+    all-reduce inside an instance puts nothing on the shaped links, one across instances
+    puts its ring's bytes there (veth counters): 2 pairs x 2 ranks x 4 MB, plus at most
+    10 % of rendezvous, barriers and TCP headers."""
+    script = tmp_path / "two_level.py"
+    script.write_text(_TWO_LEVEL)
+    numel = 1 << 20
+    with ShapedNetwork(4, "1gbit", ranks_per_namespace=2) as net:
+        assert len(net.namespaces) == 2
+        before = net.link_bytes()
+        codes = net.run([sys.executable, str(script)], timeout=120,
+                        env={"EDGC_NUMEL": str(numel), "EDGC_PHASE": phase})
+        assert codes == [0, 0, 0, 0]
+        crossed = net.link_bytes() - before
+    payload = 2 * 2 * 4 * numel    # two inter pairs, each rank sends its 4 MB once
+    if phase == "intra":
+        assert crossed < 0.05 * payload, crossed   # rendezvous and barriers only
+    else:
+        assert payload < crossed < 1.1 * payload, crossed
