@@ -217,8 +217,12 @@ def _copy_extra_main_grads(bucket, into_buffer: bool) -> None:
     it before the reduction and back after (as its own start/finish_grad_sync do)."""
     for param in getattr(bucket, "params_with_extra_main_grads", ()):
         copy = getattr(param, "main_grad_copy_in_grad_buffer", None)
-        if copy is not None:
-            (copy.copy_(param.main_grad) if into_buffer else param.main_grad.copy_(copy))
+        if copy is None:
+            continue
+        if into_buffer:
+            copy.copy_(param.main_grad)
+        else:
+            param.main_grad.copy_(copy)
 
 
 def _bits_digest(data: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
