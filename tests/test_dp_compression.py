@@ -249,3 +249,28 @@ def test_slow_hop_compression_on_partial_distributed_optimizer(small_model_argv,
     losses, dense = [r["loss"] for r in records], [r["loss"] for r in dense_records]
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
     assert abs(losses[-1] - dense[-1]) < 0.1, (losses[-1], dense[-1])
+
+
+def test_nonfinite_on_the_slow_hop_leaves_that_shards_error_feedback_untouched(
+        small_model_argv, tmp_path):
+    """A NaN on one rank with 2 optimizer instances: the instance's reduce-scatter carries
+    it into one shard; that shard's owners (one per instance, the same instance rank) flag
+    it together and keep their error feedback exactly as after the clean iteration 4; the
+    other shards are compressed as usual; the optimizer sees a non-finite norm."""
+    base = small_model_argv + INSTANCES + ["--edgc-mode", "static", "--edgc-rank", str(RANK)]
+    clean = run_job(base + ["--train-iters", "4"], str(tmp_path / "clean"))
+    metrics = str(tmp_path / "nan.jsonl")
+    poisoned = run_job(["--inject-nan-at", "4"] + base + ["--train-iters", "5",
+                                                          "--metrics-file", metrics],
+                       str(tmp_path / "nan"))
+    assert math.isnan(read_jsonl(metrics)[-1]["grad_norm"])
+    untouched = []
+    for a, b in zip(sorted(clean, key=lambda r: r["dp"]), sorted(poisoned, key=lambda r: r["dp"])):
+        same = all(torch.equal(mat["residual"], b["compression"]["buckets"][key]["matrices"]
+                               [name]["residual"])
+                   for key, bucket in a["compression"]["buckets"].items()
+                   for name, mat in bucket["matrices"].items())
+        if same:
+            untouched.append((b["dp"], b["instance_rank"]))
+    assert len(untouched) == 2 and untouched[0][1] == untouched[1][1], untouched
+    assert {dp // 2 for dp, _ in untouched} == {0, 1}           # one rank of each instance
