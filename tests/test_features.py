@@ -154,7 +154,7 @@ def test_cli_prints_the_missing_feature_as_one_error_line(monkeypatch, capsys,
 
 
 def test_instances_overlap_bug_is_refused_on_gpu_only():
-    """Megatron-LM issue #3670: megatron-core before 0.19 syncs the partial distributed
+    """Megatron-LM issue #3670: megatron-core before 0.17 syncs the partial distributed
     optimizer's communication stream with the default stream: refused on a GPU with
     --overlap-grad-reduce, naming the flag's combination; fine without overlap, with one
     instance, or on CPU (one null stream)."""
@@ -163,7 +163,7 @@ def test_instances_overlap_bug_is_refused_on_gpu_only():
                                                 refuse_instances_overlap)
 
     fixed = instances_overlap_waits_on_current_stream()
-    assert fixed == (tuple(int(x) for x in megatron_core_version().split(".")[:2]) >= (0, 19))
+    assert fixed == (tuple(int(x) for x in megatron_core_version().split(".")[:2]) >= (0, 17))
     assert refuse_instances_overlap(2, False, True) is None
     assert refuse_instances_overlap(1, True, True) is None
     assert refuse_instances_overlap(2, True, False) is None

@@ -315,7 +315,7 @@ def instances_overlap_waits_on_current_stream() -> bool:
     megatron-core runs the reductions on a communication stream; before Megatron-LM PR
     #3693 (issue #3670, wrong gradients) that stream waited for, and was waited on by, the
     *default* stream instead of the current one. Fixed where ``finish_grad_sync`` waits on
-    ``torch.cuda.current_stream()`` (0.19.x; 0.13.x-0.18.x have the bug)."""
+    ``torch.cuda.current_stream()`` (0.17.x+; 0.13.x-0.16.x have the bug)."""
     source = _source(resolve(_PPG, "_ParamAndGradBucketGroup.finish_grad_sync")) or ""
     return "current_stream().wait_stream" in source
 
@@ -329,7 +329,7 @@ def refuse_instances_overlap(instances: int, overlap: bool, on_gpu: bool) -> Opt
         return (f"with --num-distributed-optimizer-instances {instances}, megatron-core "
                 f"{megatron_core_version()} syncs its communication stream with the default "
                 f"stream instead of the current one (Megatron-LM issue #3670, fixed in "
-                f"0.19): drop --overlap-grad-reduce or use megatron-core >= 0.19")
+                f"0.17): drop --overlap-grad-reduce or use megatron-core >= 0.17")
     return None
 
 
