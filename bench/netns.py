@@ -122,13 +122,27 @@ class ShapedNetwork:
         self.close()
         raise KeyboardInterrupt(f"signal {signum}: namespaces removed")
 
+    def _hosts_file(self, ns: str) -> str:
+        return os.path.join("/etc/netns", ns, "hosts")
+
     def _create(self) -> None:
+        # ``ip netns exec`` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts: with every
+        # namespace's address named there, c10d resolves its peers' sockets instead of
+        # warning "The hostname of the client socket cannot be retrieved" in every rank.
+        # Its sockets are dual-stack: the IPv4-mapped form needs a line of its own (glibc
+        # does not map it onto the IPv4 line; measured: getnameinfo EAI_AGAIN without it)
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{self.address(i)} {ns}\n::ffff:{self.address(i)} {ns}\n"
+            for i, ns in enumerate(self.namespaces))
         _ip("link", "add", self.bridge, "type", "bridge")
         self._made_bridge = True
         _ip("link", "set", self.bridge, "up")
         for i, ns in enumerate(self.namespaces):
             _ip("netns", "add", ns)
             self._made_ns.append(ns)
+            os.makedirs(os.path.dirname(self._hosts_file(ns)), exist_ok=True)
+            with open(self._hosts_file(ns), "w") as fh:
+                fh.write(hosts)
             _ip("link", "add", self.host_dev[i], "type", "veth", "peer", "name", self.ns_dev[i])
             _ip("link", "set", self.ns_dev[i], "netns", ns)
             _ip("link", "set", self.host_dev[i], "master", self.bridge)
@@ -148,6 +162,7 @@ class ShapedNetwork:
         """Remove what this object made (namespaces take their veth ends and qdiscs)."""
         for ns in reversed(self._made_ns):
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(os.path.dirname(self._hosts_file(ns)), ignore_errors=True)
         self._made_ns = []
         for dev in self.host_dev:  # normally gone with their peers; be sure
             if os.path.exists(f"/sys/class/net/{dev}"):
@@ -162,9 +177,10 @@ class ShapedNetwork:
     # ------------------------------------------------------------------ running
 
     def run(self, argv: Sequence[str], port: int = 29511, env: Optional[dict] = None,
-            timeout: Optional[float] = None, cwd: Optional[str] = None) -> list:
+            timeout: Optional[float] = None, cwd: Optional[str] = None, stdout=None) -> list:
         """Run ``argv`` once per rank inside its namespace (torchrun environment); returns
-        the return codes. If one rank fails, the others are stopped."""
+        the return codes. If one rank fails, the others are stopped. ``stdout``: a file
+        the ranks' output and errors go to (default: this process's)."""
         procs = []
         for i in range(self.ranks):
             k = i // self.per_ns                      # the rank's namespace
@@ -173,7 +189,9 @@ class ShapedNetwork:
                         "MASTER_ADDR": self.address(0), "MASTER_PORT": str(port),
                         "GLOO_SOCKET_IFNAME": self.ns_dev[k]}
             procs.append(subprocess.Popen(["ip", "netns", "exec", self.namespaces[k], *argv],
-                                          env=rank_env, cwd=cwd))
+                                          env=rank_env, cwd=cwd, stdout=stdout,
+                                          stderr=None if stdout is None else
+                                          subprocess.STDOUT))
         deadline = None if timeout is None else time.monotonic() + timeout
         codes: list = [None] * len(procs)
         while any(c is None for c in codes):

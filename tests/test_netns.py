@@ -41,9 +41,14 @@ def test_namespaces_connect_and_are_removed_even_on_error(tmp_path):
             # a real gloo all-reduce between the namespaces, over the shaped interfaces
             script = tmp_path / "allreduce.py"
             script.write_text(_SELFTEST)
-            codes = net.run([sys.executable, str(script)], env={"EDGC_NUMEL": "1000"},
-                            timeout=120)
+            log = tmp_path / "ranks.log"
+            with open(log, "w") as fh:
+                codes = net.run([sys.executable, str(script)], env={"EDGC_NUMEL": "1000"},
+                                timeout=120, stdout=fh)
             assert codes == [0, 0]
+            # the peers' names resolve inside the namespaces: no c10d hostname warning
+            assert "hostname of the client socket" not in log.read_text()
+            assert all(os.path.isfile(f"/etc/netns/{ns}/hosts") for ns in net.namespaces)
             qdisc = subprocess.run(["tc", "qdisc", "show", "dev", net.host_dev[0]],
                                    capture_output=True, text=True).stdout
             assert "tbf" in qdisc and "100Mbit" in qdisc
@@ -53,6 +58,7 @@ def test_namespaces_connect_and_are_removed_even_on_error(tmp_path):
     except Boom:
         pass
     assert _ours(net) == []
+    assert not any(os.path.exists(f"/etc/netns/{ns}") for ns in net.namespaces)
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
