@@ -25,7 +25,6 @@ import tarfile
 import pytest
 
 from distributed import compressed_bucket_bytes
-from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
 from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
 
@@ -161,20 +160,8 @@ def stage_bytes(rank) -> list:
                         max_position_embeddings=64, make_vocab_size_divisible_by=128)
     model.resolve()
     parallel = ParallelConfig(pipeline_model_parallel_size=2, data_parallel_size=2)
-    out = []
-    for shapes in stage_param_shapes(model, parallel, vocab_size=1001):  # NullTokenizer + EOD
-        if rank is None:
-            out.append(4 * sum(n * m for n, m in map(matrix_shape, shapes)))
-            continue
-        factors, dense = 0, 1
-        for shape in shapes:
-            n, m = matrix_shape(shape)
-            if n > 1 and is_compressible(n, m, rank, 2.0):
-                factors += (n + m) * rank
-            else:
-                dense += n * m
-        out.append(2 * factors + 4 * dense)  # bf16 factors (the default), fp32 rest and flag
-    return out
+    return [compressed_bucket_bytes(shapes, rank)   # bf16 factors (the default)
+            for shapes in stage_param_shapes(model, parallel, vocab_size=1001)]  # + EOD
 
 
 @pytest.fixture(scope="module")
@@ -343,11 +330,6 @@ def llama_stage_shapes() -> list:
     return [[(1024, h)] + layer, layer + [(h,), (1024, h)]]
 
 
-def bf16_factor_bytes(shapes, rank) -> int:
-    """One bucket at ``rank`` (None: dense) with bf16 factors."""
-    return compressed_bucket_bytes(shapes, rank, factor_bytes=2)
-
-
 def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes):
     """Mode off is bitwise Megatron-LM; EDGC (torch_dist, distributed optimizer, bf16,
     async save at 4) trains, sends the bytes ``want_bytes(ranks)`` gives as
@@ -397,7 +379,7 @@ def test_moe_expert_parallel_job(megatron_lm, tmp_path):
     bytes of each group from the shapes at the controller's rank."""
     def want(ranks):
         rank = None if ranks is None else ranks[0]
-        per_rank = {e: bf16_factor_bytes(shapes, rank) for e, shapes in moe_buckets()}
+        per_rank = {e: compressed_bucket_bytes(shapes, rank) for e, shapes in moe_buckets()}
         assert len(per_rank) == 2
         return 4 * (per_rank[False] + per_rank[True]), 4 * per_rank[True]
 
@@ -428,7 +410,7 @@ def test_llama_style_job(megatron_lm, tmp_path):
 
     def want(ranks):
         ranks = ranks or [None] * len(stages)
-        return 2 * sum(bf16_factor_bytes(s, r) for s, r in zip(stages, ranks)), 0
+        return 2 * sum(compressed_bucket_bytes(s, r) for s, r in zip(stages, ranks)), 0
 
     _check_model_job(megatron_lm, tmp_path, LLAMA, EDGC, want)
 
@@ -468,6 +450,6 @@ def test_moe_allgather_dispatcher(megatron_lm, tmp_path):
         assert rec["dp_replica_mismatches"] == 0
         if not any(rec["rank_dp"] or []):
             continue
-        per_rank = {e: bf16_factor_bytes(s, rec["rank_dp"][0]) for e, s in moe_buckets()}
+        per_rank = {e: compressed_bucket_bytes(s, rec["rank_dp"][0]) for e, s in moe_buckets()}
         assert rec["dp_bytes_sent_job"] == 4 * (per_rank[False] + per_rank[True])
         assert rec["dp_expert_bytes_sent_job"] == 4 * per_rank[True]

@@ -267,7 +267,7 @@ class _GroupInfo:
         return self.intra is not None
 
 
-def _group_info(bucket_group, expert: bool) -> _GroupInfo:
+def _reduction_info(bucket_group, expert: bool) -> _GroupInfo:
     instances = getattr(bucket_group.ddp_config, "num_distributed_optimizer_instances", 1)
     if instances > 1:
         names = ("intra_distributed_optimizer_instance_group",
@@ -289,7 +289,7 @@ def megatron_sync_bytes(bucket_group) -> tuple:
     sync of ``bucket_group`` places into collectives per iteration: each bucket over its
     group (nothing over a group of one), or with the partial distributed optimizer the
     whole bucket reduce-scattered inside the instance and this rank's shard across."""
-    info = _group_info(bucket_group, expert=False)
+    info = _reduction_info(bucket_group, expert=False)
     total = slow = 0
     for bucket in bucket_group.buckets:
         dense = _bucket_grad_bytes(bucket)
@@ -357,6 +357,7 @@ class DPGradientCompression:
         self._declared_link = link
         self.links: dict = {}  # process group -> LinkModel (measured or declared)
         self._group_of: dict[str, _GroupInfo] = {}  # bucket key -> its reduction
+        self._megatron_bytes: dict[int, tuple] = {}  # id(bucket group) -> its own sync's
         self._matrices: dict[str, list] = {}     # bucket key -> [((n, m), bucket offset)]
         self._param_names: dict[str, list] = {}  # bucket key -> [(name, param)]
         self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
@@ -370,7 +371,8 @@ class DPGradientCompression:
             dense_groups = list(chunk.bucket_groups)
             for gi, group in enumerate(dense_groups + chunk.expert_parallel_bucket_groups):
                 _require_attributes(group, _GROUP_ATTRIBUTES, "_ParamAndGradBucketGroup")
-                info = _group_info(group, expert=gi >= len(dense_groups))
+                info = _reduction_info(group, expert=gi >= len(dense_groups))
+                self._megatron_bytes[id(group)] = megatron_sync_bytes(group)
                 for bi, bucket in enumerate(group.buckets):
                     _require_attributes(bucket, _BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
@@ -699,7 +701,7 @@ class DPGradientCompression:
 
     def _count_dense(self, group, info: _GroupInfo) -> None:
         """The bytes megatron-core's own sync of ``group`` places into collectives."""
-        total, slow = megatron_sync_bytes(group)
+        total, slow = self._megatron_bytes[id(group)]
         self.stats.add_bytes(total - slow, total - slow, info.expert)
         self.stats.add_bytes(slow, slow, info.expert, slow_hop=True)
 
