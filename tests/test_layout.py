@@ -1,4 +1,4 @@
-"""The package's imports flow one way (README, "Layout"), read from the source with ``ast``:
+"""The package's imports flow one way (docs/layout.md), read from the source with ``ast``:
 
     front-ends (training/, megatron_lm/) → runtime/ → patches/, control/ → compression/
 

@@ -94,6 +94,22 @@ def environment(series: str):
             f"make venv312 && make test-compat VERSIONS=0.19.2)")
 
 
+def test_readme_shows_the_two_lines_the_tests_add():
+    """The README's two lines are the ones the tests here add to ``pretrain_gpt.py``, in
+    both of its snippets (core_v0.19.0; core_v0.13.1 ... core_v0.16.1): line 1 first in
+    the main block, line 2 the ``extra_args_provider``. Needs no Megatron-LM."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    section = readme.split("\n## EDGC in your Megatron-LM job\n", 1)[1].split("\n## ", 1)[0]
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(snippets) == 2, snippets
+    for snippet in snippets:
+        code = [line.split("#")[0].rstrip() for line in snippet.splitlines()]
+        main = code.index(MAIN.rstrip("\n"))
+        assert code[main + 1] == ENABLE_LINE.rstrip("\n"), snippet
+        assert sum(line.strip() == PROVIDER for line in code) == 1, snippet
+
+
 @pytest.fixture(scope="module", params=list(TAGS))
 def megatron_lm(request, tmp_path_factory):
     """(directory of Megatron-LM, the unmodified pretrain_gpt.py, the two-line copy,

@@ -103,7 +103,7 @@ class CorpusBPETokenizer(_DocumentTokenizer):
 
     Same algorithm as GPT-2's BPE with a smaller vocabulary (default 8192): the tiny CPU
     config uses it because the 50k-entry output layer dominates a tiny model's step time
-    (README: measured 3.7x faster per iteration). ``<|endoftext|>`` ends documents.
+    (docs/running.md: measured 3.7x faster per iteration). ``<|endoftext|>`` ends documents.
     """
 
     def __init__(self, tokenizer_file: str):
