@@ -13,6 +13,10 @@ measured DP bytes at that rate, labelled "modelled".
 
 Each run writes ``runs/demo/<name>.jsonl`` (one record per iteration), its summary
 ``runs/demo/<name>.summary.json`` and TensorBoard events under ``runs/demo/tb/<name>``.
+The table ends with the time each run took to reach the higher of the two final
+validation losses (training seconds: the sum of the iterations' ms/iter, evaluations
+excluded; linear between the two evaluations around it), and the plots
+(``runs/demo/plots/``) show the loss against iterations and against those seconds.
 """
 
 import argparse
@@ -24,7 +28,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import plot_run  # noqa: E402
 from bench.netns import (NetnsUnavailable, ShapedNetwork, alpha_beta_allreduce_s,  # noqa: E402
                          rate_bits)
 from megatron_edgc.config import ConfigError, parse_config  # noqa: E402
@@ -45,9 +51,11 @@ RUNS = {"dense": [], "edgc": ["--edgc-mode", "edgc", "--edgc-pp-compression", "e
 # stands clear of the ~15 % by which the machine's speed drifts between the two runs (at
 # 300 Mbit it was -16 % to +1 % over five runs, 2026-11-23/24). At 120 Mbit the gain was
 # no larger (0.80x, 0.77x, two runs): the tied-embedding all-reduce between the first and
-# the last stage, which EDGC does not compress, grows with it. Flags given to the demo
-# come later and win.
-COMMON = ["--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120"]
+# the last stage, which EDGC does not compress, grows with it. An evaluation every 10
+# iterations (5 batches, ~0.1 s here, outside ms/iter) draws the validation loss against
+# time and places the time to loss. Flags given to the demo come later and win.
+COMMON = ["--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120",
+          "--eval-interval", "10"]
 
 
 def layout(config: str, extra: list) -> tuple:
@@ -103,13 +111,42 @@ def train(args, extra: list, world: int) -> int:
     return 0
 
 
+def time_to_loss_line(records: dict, extra_ms=None, tag: str = "") -> str:
+    """One line: when each run's validation loss reached the higher of the runs' final
+    validation losses, in training seconds (the sum of ms/iter, plus ``extra_ms(record)``
+    per iteration where given; evaluations excluded), linear between the two evaluations
+    around it, and the ratio of the last run to the first."""
+    target = plot_run.common_target(records)
+    if target is None:
+        return "time to loss: a run has no validation loss"
+    times = {name: plot_run.time_to_loss(recs, target, extra_ms)
+             for name, recs in records.items()}
+    parts = [f"{name} {'—' if t is None else format(t, '.1f') + ' s'}"
+             for name, t in times.items()]
+    (first, t0), (last, t1) = list(times.items())[0], list(times.items())[-1]
+    ratio = f"; {last}/{first} {t1 / t0:.2f}x" if t0 and t1 is not None else ""
+    return (f"time to val loss {target:.4f} (the higher final; training seconds{tag}: sum of "
+            f"ms/iter, evaluations excluded; linear between the evaluations around it): "
+            f"{', '.join(parts)}{ratio}")
+
+
+def modelled_link_ms(link: dict, world: int, dp: int):
+    """``bytes -> ms``: the modelled DP all-reduce time of a run's DP bytes at the link
+    rate, or None where the link is real (or loopback)."""
+    if not link["modelled"]:
+        return None
+    return lambda dp_bytes: alpha_beta_allreduce_s(dp_bytes / world, dp, link["rate"]) * 1e3
+
+
 def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
-    """The side-by-side table: whole run, then after EDGC's warm-up (both runs)."""
-    modelled, rate, how = link["modelled"], link["rate"], link["how"]
+    """The side-by-side table: whole run, time to loss, then after EDGC's warm-up (both
+    runs)."""
+    modelled, how = link["modelled"], link["how"]
+    modelled_ms = modelled_link_ms(link, world, dp)
 
     def link_ms(dp_bytes: float) -> float:
         """The modelled DP all-reduce time of a run's bytes at the link rate (0 if real)."""
-        return alpha_beta_allreduce_s(dp_bytes / world, dp, rate) * 1e3 if modelled else 0.0
+        return modelled_ms(dp_bytes) if modelled_ms is not None else 0.0
 
     print()
     print(f"link: {how}")
@@ -128,8 +165,9 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
               f"{dp_bytes / 2**20:>11.2f} {pp:>11} {s['val_loss']:>9.4f} "
               f"{100 * (s['val_loss'] / dense_loss - 1):>+8.2f}%")
     print("(whole-run means per iteration: EDGC's dense warm-up included)")
-    records = {name: [json.loads(line) for line in open(os.path.join(out, f"{name}.jsonl"))
-                      if line.strip()] for name in summaries}
+    records = {name: plot_run.read(os.path.join(out, f"{name}.jsonl")) for name in summaries}
+    print(time_to_loss_line(records, None if modelled_ms is None
+                            else lambda r: modelled_ms(r["dp_bytes_sent_job"]), tag))
     start = next((r["warmup_end_iter"] for r in reversed(records.get("edgc", []))
                   if r.get("warmup_end_iter") is not None), None)
     if start is not None:
@@ -202,11 +240,19 @@ def main() -> int:
             summaries[name] = json.load(fh)
     report(args.out, summaries, world, dp, link)
 
-    plots = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_run.py"),
-                            *[os.path.join(args.out, f"{n}.jsonl") for n in RUNS],
-                            "--out", os.path.join(args.out, "plots")],
-                           capture_output=True, text=True)
-    print(f"\nplots: {plots.stdout.split() if plots.returncode == 0 else plots.stderr}")
+    modelled_ms = modelled_link_ms(link, world, dp)
+    try:
+        plots = plot_run.plot(
+            [os.path.join(args.out, f"{n}.jsonl") for n in RUNS],
+            os.path.join(args.out, "plots"),
+            extra_ms=None if modelled_ms is None
+            else lambda r: modelled_ms(r["dp_bytes_sent_job"]),
+            time_label=None if modelled_ms is None
+            else f"training seconds (sum of ms/iter + the modelled {link['rate']} DP "
+                 f"all-reduce; evaluations excluded)")
+    except Exception as exc:  # the table is the result; a plot failure must not hide it
+        plots = f"not drawn: {type(exc).__name__}: {exc}"
+    print(f"\nplots: {plots}")
     print(f"metrics, summaries and TensorBoard events: {args.out}")
     return 0
 
