@@ -210,6 +210,166 @@ def predict(cluster: Cluster, schedule: list, kernels: Optional[dict] = None) ->
             "sync_share_dense": dense_sync / (compute_s + dense_sync), **extra}
 
 
+#: The two-site layout of the slow-hop model (issue 35): the paper's 12.1B shard, its DP
+#: group split into N instances (sites) of s ranks. Declared links per GPU: the fast hop
+#: inside a site (NVLink/IB), the slow hop between sites (a data-centre interconnect's
+#: share per GPU, and a ~100 km round trip).
+SLOW_HOP = {"config": "configs/gpt2-12.1b-h100x64.yaml", "instances": 2, "rank": 64,
+            "bucket_elements": 40_000_000, "fast_gbit": 400.0, "fast_alpha_us": 10.0,
+            "slow_gbit": 10.0, "slow_alpha_us": 1000.0}
+
+
+def shard_layout(mats, dense_rest: int, layers: int, bucket_elements: int):
+    """Megatron's buffer of one (TP, PP) shard as ``[(name, offset, shape)]`` per bucket:
+    each layer's matrices then its vectors (the dense rest split evenly), filled into
+    buckets of ``bucket_elements`` from the last parameter on, as megatron-core does."""
+    per_layer = (len(mats) - 1) // layers
+    params = []
+    for li in range(layers):
+        for j, shape in enumerate(mats[li * per_layer:(li + 1) * per_layer]):
+            params.append((f"l{li}.w{j}", shape))
+        params.append((f"l{li}.vectors", (dense_rest // layers,)))
+    params.append(("embedding", mats[-1]))
+    buckets, current, size = [], [], 0
+    for name, shape in reversed(params):
+        current.append((name, shape))
+        size += shape[0] * (shape[1] if len(shape) > 1 else 1)
+        if size >= bucket_elements:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    out = []
+    for bucket in buckets:
+        at, laid = 0, []
+        for name, shape in bucket:
+            laid.append((name, at, shape))
+            at += shape[0] * (shape[1] if len(shape) > 1 else 1)
+        out.append((laid, at))
+    return out
+
+
+def slow_hop_per_rank(layout, s: int, rank: int) -> dict:
+    """Per rank of an instance of ``s`` (the worst rank): the slow hop's elements, the
+    compression flops and the error-feedback elements of EDGC on the slow hop
+    (``compression/shard_powersgd.py``); and the same for flat EDGC (every rank all of
+    it). Flops: ``8 n m r`` per matrix (``M Q``, ``Mᵀ P^``, residual, decompress) on the
+    rows held, ``14 n r²`` per orthonormalized matrix."""
+    from megatron_edgc.compression.shard import shard_pieces
+
+    worst = {"slow": 0, "flops": 0, "ef": 0}
+    flat = {"elements": 0, "flops": 0, "ef": 0}
+    per_rank = [{"slow": 0, "flops": 0, "ef": 0} for _ in range(s)]
+    for laid, numel in layout:
+        whole = {name: shape for name, _, shape in laid}
+
+        def compressed(shape):
+            return len(shape) == 2 and is_compressible(shape[0], shape[1], rank, 2.0)
+
+        lq = sum(sh[1] * rank for sh in whole.values() if compressed(sh))
+        for sh in whole.values():
+            if compressed(sh):
+                n, m = sh
+                flat["elements"] += (n + m) * rank
+                flat["flops"] += 8 * n * m * rank + 14 * n * rank * rank
+                flat["ef"] += n * m
+            else:
+                flat["elements"] += sh[0] * (sh[1] if len(sh) > 1 else 1)
+        numel += (-numel) % s
+        size = numel // s
+        for k in range(s):
+            pieces = shard_pieces(laid, k * size, (k + 1) * size)
+            acc = per_rank[k]
+            acc["slow"] += -(-lq // s)
+            touched = set()
+            for pc in pieces:
+                sh = whole[pc.parent]
+                if pc.row_block and compressed(sh):
+                    acc["slow"] += pc.shape[0] * rank
+                    acc["flops"] += 8 * pc.numel * rank
+                    acc["ef"] += pc.numel
+                    touched.add(pc.parent)
+                else:
+                    acc["slow"] += pc.numel
+            acc["flops"] += sum(14 * whole[t][0] * rank * rank for t in touched)
+    for key in worst:
+        worst[key] = max(acc[key] for acc in per_rank)
+    worst["slow_total"] = sum(acc["slow"] for acc in per_rank)
+    return {"slow_hop": worst, "flat": flat}
+
+
+def slow_hop_scaling(s_values=(2, 4, 8), settings: dict = SLOW_HOP) -> list:
+    """EDGC on the slow hop against flat EDGC and Megatron's dense partial distributed
+    optimizer, per s, on the paper's largest 12.1B shard (stage 0) with N instances.
+
+    Bytes across the sites per iteration: in the slow hop's all-reduce among N ranks each
+    rank sends ``2(N−1)/N`` of its message, all of it between sites (``2(N−1)`` messages
+    per shard); flat EDGC's ring of ``N·s`` ranks crosses the site boundaries N times,
+    each crossing carrying ``2(Ns−1)/(Ns)`` of the whole message (the fewest crossings a
+    flat ring can have). At s = 1 both are the same all-reduce (ratio 1). Sync time (alpha-beta, links per GPU from :data:`SLOW_HOP`):
+    every slow-hop rank sends its share at the same time, each on its share of the
+    interconnect; a flat ring is as slow as its slowest step, a crossing."""
+    import yaml
+
+    with open(os.path.join(ROOT, settings["config"])) as fh:
+        cfg = yaml.safe_load(fh)
+    md, par = cfg["model"], cfg["parallel"]
+    layers, hidden = md["num_layers"], md["hidden_size"]
+    ffn = md.get("ffn_hidden_size") or 4 * hidden
+    tp, pp = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]
+    mats, rest = shard_matrices(layers, hidden, ffn, 50304, tp, pp)
+    layout = shard_layout(mats, rest, layers // pp, settings["bucket_elements"])
+    n_inst, r = settings["instances"], settings["rank"]
+    dense_elems = sum(numel for _, numel in layout)
+    fast = (settings["fast_gbit"], settings["fast_alpha_us"])
+    slow = (settings["slow_gbit"], settings["slow_alpha_us"])
+    rows = []
+    for s in s_values:
+        m = slow_hop_per_rank(layout, s, r)
+        sh, fl = m["slow_hop"], m["flat"]
+        # each of the s·N ranks sends 2(N−1)/N of its message, all of it between sites
+        cross_slow = 2 * (n_inst - 1) * sh["slow_total"] * 2      # bf16 factors
+        ns = n_inst * s
+        cross_flat = n_inst * 2 * (ns - 1) / ns * fl["elements"] * 2
+        # modelled sync seconds (bf16 factors, fp32 dense; the instance's dense
+        # reduce-scatter is the same in both partial-optimizer variants)
+        rs = allreduce_s(dense_elems * 4, s, *fast) / 2
+        dense_partial = rs + allreduce_s(dense_elems * 4 / s, n_inst, *slow)
+        edgc_slow_hop = rs + allreduce_s(sh["slow"] * 2, n_inst, *slow) + \
+            allreduce_s(fl["elements"] * 4, s, *fast)   # the P and Q gathers, bounded
+        edgc_flat = allreduce_s(fl["elements"] * 2, ns, *slow)
+        rows.append({"s": s, "math": sh["flops"] / fl["flops"], "ef": sh["ef"] / fl["ef"],
+                     "bytes": cross_slow / cross_flat, "dense_partial_s": dense_partial,
+                     "edgc_slow_hop_s": edgc_slow_hop, "edgc_flat_s": edgc_flat})
+    return rows
+
+
+def slow_hop_section(rows: list, settings: dict = SLOW_HOP) -> str:
+    lines = ["| s (ranks per instance) | compression math per rank | error feedback per rank "
+             "| bytes between sites | sync: dense partial | sync: EDGC flat "
+             "| sync: EDGC slow hop | slow hop / dense partial |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['s']} | {row['math']:.2f}× | {row['ef']:.2f}× | {row['bytes']:.2f}× | "
+            f"{1e3 * row['dense_partial_s']:.0f} ms | {1e3 * row['edgc_flat_s']:.0f} ms | "
+            f"{1e3 * row['edgc_slow_hop_s']:.0f} ms | "
+            f"{row['edgc_slow_hop_s'] / row['dense_partial_s']:.2f}× |")
+    return ("**Modelled: EDGC on the slow hop at paper scale.** The 12.1B config's largest "
+            f"shard (TP 8 · PP 4, stage 0) in {settings['bucket_elements'] / 1e6:.0f}M-element "
+            f"buckets, its DP group as {settings['instances']} sites of s ranks, rank "
+            f"{settings['rank']}, bf16 factors. Ratios are EDGC on the slow hop against flat "
+            "EDGC, per rank (the worst rank of an instance), from the shapes "
+            "(`compression/shard.py`'s pieces): math in flops (8·n·m·r on the rows a rank "
+            "holds, 14·n·r² per matrix it orthonormalizes), error feedback in elements, "
+            "bytes crossing between sites per iteration (flat: a ring of N·s ranks crosses N "
+            "times). Sync times, alpha-beta with declared links per GPU: fast hop "
+            f"{settings['fast_gbit']:.0f} Gbit/s, α {settings['fast_alpha_us']:.0f} µs; "
+            f"between sites {settings['slow_gbit']:.0f} Gbit/s, α "
+            f"{settings['slow_alpha_us'] / 1e3:.0f} ms; no compression math in them.\n\n"
+            + "\n".join(lines))
+
+
 def parse_schedule(text: str) -> list:
     out = []
     for part in text.split(","):
@@ -295,7 +455,7 @@ def main() -> int:
     from bench.report import write_section
 
     write_section("cost_model", "Paper-scale cost model (modelled)", "python bench/model.py",
-                  body)
+                  body + "\n\n" + slow_hop_section(slow_hop_scaling()))
     print("\n".join(lines))
     return 0
 

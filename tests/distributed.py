@@ -81,3 +81,37 @@ def compressed_bucket_bytes(shapes, rank, factor_bytes: int = 2) -> int:
             dense += math.prod(shape)
     flag = 4 if dense or factor_bytes == 4 else factor_bytes
     return factor_bytes * factors + 4 * dense + flag
+
+
+def slow_hop_shard_bytes(shapes, offsets, shard, instance_size: int, rank: int,
+                         factor_bytes: int = 2) -> tuple:
+    """``(slow hop, fast hop beyond the dense reduce-scatter)`` bytes of one bucket shard
+    at ``rank`` with Megatron's partial distributed optimizer
+    (``compression/shard_powersgd.py``), from the shapes: across instances the P rows of
+    the shard's row blocks of compressed matrices, the rest of the shard dense in fp32, a
+    flag, and 1/s of the bucket's Q; inside the instance the P rows of the whole bucket
+    with the flag (fp32), the bucket's Q reduce-scattered and ``[Q_t | Q]`` slices
+    all-gathered (fp32)."""
+    from megatron_edgc.compression.shard import shard_pieces
+
+    pieces = shard_pieces([(str(i), o, tuple(sh)) for i, (sh, o) in
+                           enumerate(zip(shapes, offsets))], *shard)
+    whole = {str(i): matrix_shape(sh) for i, sh in enumerate(shapes)}
+
+    def compressed(n, m):
+        return n > 1 and is_compressible(n, m, rank, 2.0)
+
+    rows = dense = 0
+    for pc in pieces:
+        if pc.row_block and compressed(*whole[pc.parent]):
+            rows += pc.shape[0] * rank
+        else:
+            dense += pc.numel
+    lp = sum(n * rank for n, m in whole.values() if compressed(n, m))
+    lq = sum(m * rank for n, m in whole.values() if compressed(n, m))
+    lq_padded = -(-lq // instance_size) * instance_size
+    flag = 4 if dense or factor_bytes == 4 else factor_bytes
+    slow = factor_bytes * rows + 4 * dense + flag + factor_bytes * lq_padded // instance_size
+    fast = 4 * (lp + 1) + (4 * lq_padded + 8 * lq_padded // instance_size if lq else 0)
+    return slow, fast
+

@@ -230,6 +230,12 @@ class ShapeGroup:
     m: int
     indices: list  # positions in the bucket's entry list
     names: list
+    #: the rows of the whole matrix each entry is a row block of (a shard's row blocks,
+    #: :mod:`megatron_edgc.compression.shard_powersgd`); ``n`` for whole matrices. The rank
+    #: and the compressibility follow the whole matrix.
+    full_n: int = 0
+    #: the names the warm start is seeded by (the whole matrices'); ``names`` when empty
+    seed_names: list = field(default_factory=list)
     q: Optional[torch.Tensor] = None          # [k, m, r] warm start
     residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback (ef_dtype)
     runs_key: Optional[tuple] = None          # the gradient addresses the runs were made for
@@ -293,19 +299,30 @@ class BucketCompressor:
         return n > 1 and is_compressible(n, m, self.rank_of_shape(n, m), self.min_compression_rate)
 
     def _rank_for(self, g: ShapeGroup) -> int:
-        return min(self.rank_of_shape(g.n, g.m), g.n, g.m)
+        n = g.full_n or g.n
+        return min(self.rank_of_shape(n, g.m), n, g.m)
+
+    def _entry_group(self, i: int, name: str, n: int, m: int) -> Optional[tuple]:
+        """``(group key, whole matrix rows, warm-start seed name)`` of entry ``i``, or None
+        when it is sent dense. A subclass whose entries are row blocks overrides it."""
+        if not self._compressible(n, m):
+            return None
+        return (n, m), n, name
 
     def _plan(self) -> None:
         old = {name: (g, j) for g in self.groups.values() for j, name in enumerate(g.names)}
         groups: dict[tuple[int, int], ShapeGroup] = {}
         dense = []
         for i, (name, (n, m)) in enumerate(self.entries):
-            if self._compressible(n, m):
-                g = groups.setdefault((n, m), ShapeGroup(n, m, [], []))
-                g.indices.append(i)
-                g.names.append(name)
-            else:
+            found = self._entry_group(i, name, n, m)
+            if found is None:
                 dense.append(i)
+                continue
+            key, full_n, seed_name = found
+            g = groups.setdefault(key, ShapeGroup(n, m, [], [], full_n))
+            g.indices.append(i)
+            g.names.append(name)
+            g.seed_names.append(seed_name)
         # Carry Q and residuals of matrices that stay compressed.
         previous = {tuple(g.names): g for g in self.groups.values()}
         for g in groups.values():
@@ -352,8 +369,25 @@ class BucketCompressor:
                 g.q = g.q[:, :, :r_new].contiguous()
             elif r_new > r_old:
                 extra = torch.stack([seeded_gaussian(self.seed, name, f"grow{r_old}-{r_new}",
-                                                     g.m, r_new - r_old) for name in g.names])
+                                                     g.m, r_new - r_old)
+                                     for name in g.seed_names])
                 g.q = torch.cat([g.q, extra.to(g.q.device)], dim=2)
+
+    def matrix_shapes(self) -> list:
+        """``(n, m)`` of the bucket's matrices (the budget controller's view)."""
+        return [shape for _, shape in self.entries]
+
+    def fresh(self, rank: int) -> "BucketCompressor":
+        """A compressor of the same entries and settings at ``rank``, with no state (the
+        bypass times one on scratch gradients)."""
+        return BucketCompressor(self.entries, rank, min_compression_rate=self.min_compression_rate,
+                                seed=self.seed, device=self.device,
+                                factor_dtype=self.factor_dtype, ef_dtype=self.ef_dtype)
+
+    def local_step(self, grads: Sequence[torch.Tensor]) -> None:
+        """One step's math with every collective left out (the bypass's cost model)."""
+        bufs, step = self.start(grads)
+        self.finish(step, self.middle(step, bufs))
 
     # ------------------------------------------------------------------ sizes
 
@@ -402,7 +436,7 @@ class BucketCompressor:
     def _init_group(self, g: ShapeGroup, device) -> None:
         r = self._rank_for(g)
         g.q = torch.stack([seeded_gaussian(self.seed, name, "init", g.m, r)
-                           for name in g.names]).to(device)
+                           for name in g.seed_names]).to(device)
         g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=self.ef_dtype, device=device)
 
     def _views(self, g: ShapeGroup, grads: Sequence[torch.Tensor]) -> tuple[list, bool]:

@@ -7,9 +7,10 @@ and all-reduces only that range across instances. A range cuts matrices. Each
 parameter's part of the shard is split, in the row-major order megatron-core lays it out,
 into
 
-* a block of whole rows ``[r0, r1) × m``: a matrix of its own, compressed like any other
-  (PowerSGD's ``P = Σ M_i Q`` is linear in the rows, so a row block of the instance sum
-  is the instance sum of the row blocks);
+* a block of whole rows ``[r0, r1) × m``, compressed as rows of its matrix with that
+  matrix's ``Q`` (:mod:`megatron_edgc.compression.shard_powersgd`: PowerSGD's ``P = Σ M_i
+  Q`` is linear in the rows, so a row block of the instance sum is the instance sum of
+  the row blocks);
 * at most two partial rows at its ends, and every vector: sent dense.
 
 Pure index arithmetic, no torch.
@@ -30,6 +31,9 @@ class ShardPiece:
     name: str
     start: int
     shape: tuple
+    parent: str = ""      # the parameter (matrix) the piece is part of
+    row0: int = 0         # a row block's first row in that matrix
+    row_block: bool = False
 
     @property
     def numel(self) -> int:
@@ -48,16 +52,17 @@ def shard_pieces(params, shard_start: int, shard_end: int) -> list:
             continue
         la, lb = a - offset, b - offset
         if n == 1 or m == 1:
-            pieces.append(ShardPiece(name, a, (1, b - a)))
+            pieces.append(ShardPiece(name, a, (1, b - a), name))
             continue
         r0, r1 = -(-la // m), lb // m   # whole rows inside [la, lb)
         if r1 <= r0:                    # no whole row: one partial piece
-            pieces.append(ShardPiece(name, a, (1, b - a)))
+            pieces.append(ShardPiece(name, a, (1, b - a), name))
             continue
         if la < r0 * m:
-            pieces.append(ShardPiece(f"{name}[head]", a, (1, r0 * m - la)))
+            pieces.append(ShardPiece(f"{name}[head]", a, (1, r0 * m - la), name))
         rows_name = name if (r0, r1) == (0, n) else f"{name}[rows {r0}:{r1}]"
-        pieces.append(ShardPiece(rows_name, offset + r0 * m, (r1 - r0, m)))
+        pieces.append(ShardPiece(rows_name, offset + r0 * m, (r1 - r0, m), name, r0, True))
         if r1 * m < lb:
-            pieces.append(ShardPiece(f"{name}[tail]", offset + r1 * m, (1, lb - r1 * m)))
+            pieces.append(ShardPiece(f"{name}[tail]", offset + r1 * m, (1, lb - r1 * m),
+                                     name))
     return pieces

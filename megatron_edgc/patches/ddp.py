@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, matrix_shape
 from megatron_edgc.compression.shard import shard_pieces
+from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_compressor_inputs
 from megatron_edgc.patches import features
 from megatron_edgc.patches.timing import IntervalClock
 
@@ -383,18 +384,24 @@ class DPGradientCompression:
                                  + (e or 0) * shape[0] * shape[1])
                                 for p in bucket.params_list
                                 for name, shape, _, e in _matrix_entries(names[p], p, stacked)]
+                    settings = dict(min_compression_rate=min_compression_rate, seed=seed,
+                                    device=bucket.grad_data.device,
+                                    factor_dtype=factor_dtype, ef_dtype=ef_dtype)
                     if info.slow_hop:  # this rank's shard: row blocks and dense pieces
                         pieces = shard_pieces([(name, offset, shape)
                                                for name, shape, offset in matrices],
                                               *_shard_range(bucket, info))
+                        entries, parents = shard_compressor_inputs(pieces, matrices)
+                        self.compressors[key] = ShardCompressor(
+                            entries, parents, [(name, shape) for name, shape, _ in matrices],
+                            info.intra_size, rank or 1, **settings)
                         matrices = [(pc.name, pc.shape, pc.start) for pc in pieces]
+                    else:
+                        self.compressors[key] = BucketCompressor(
+                            [(name, shape) for name, shape, _ in matrices], rank or 1,
+                            **settings)
                     self._matrices[key] = [(shape, offset) for _, shape, offset in matrices]
                     self._param_names[key] = [(names[p], p) for p in bucket.params_list]
-                    self.compressors[key] = BucketCompressor(
-                        [(name, shape) for name, shape, _ in matrices], rank or 1,
-                        min_compression_rate=min_compression_rate,
-                        seed=seed, device=bucket.grad_data.device, factor_dtype=factor_dtype,
-                        ef_dtype=ef_dtype)
                     self._bucket_key[id(bucket)] = key
                     self._buckets[key] = bucket
                     self._bucket_bytes[key] = _bucket_grad_bytes(bucket)
@@ -504,17 +511,11 @@ class DPGradientCompression:
         times = []
         for rank in (r1, r2):
             for key in keys:
-                comp = self.compressors[key]
-                scratch = BucketCompressor(comp.entries, rank,
-                                           min_compression_rate=comp.min_compression_rate,
-                                           seed=self.seed, device=comp.device,
-                                           factor_dtype=comp.factor_dtype,
-                                           ef_dtype=comp.ef_dtype)
+                scratch = self.compressors[key].fresh(rank)
                 grads = self._scratch_grads(key)
 
                 def once():
-                    bufs, step = scratch.start(grads)
-                    scratch.finish(step, scratch.middle(step, bufs))
+                    scratch.local_step(grads)
 
                 once()  # allocates Q and the residual
                 times.append(min(self._timed(once), self._timed(once)))
@@ -563,7 +564,7 @@ class DPGradientCompression:
         """``{(n, m): number of matrices}`` of this rank's buckets (vectors excluded)."""
         counts: dict = {}
         for comp in self.compressors.values():
-            for _, (n, m) in comp.entries:
+            for n, m in comp.matrix_shapes():
                 if n > 1 and m > 1:
                     counts[(n, m)] = counts.get((n, m), 0) + 1
         return counts
@@ -705,6 +706,45 @@ class DPGradientCompression:
         self.stats.add_bytes(total - slow, total - slow, info.expert)
         self.stats.add_bytes(slow, slow, info.expert, slow_hop=True)
 
+    def _instance_q(self, comp: ShardCompressor, step, reduced, info: _GroupInfo) -> tuple:
+        """The slow hop's second phase for one bucket, after its ``P`` rows came back
+        across instances (:mod:`megatron_edgc.compression.shard_powersgd`): the rows
+        gathered over the instance (a SUM), the whole matrices orthonormalized, the
+        instance's ``Q`` reduce-scattered, and this rank's slice of it launched across
+        instances. Returns ``(comp, step, (pair, sent), handle)`` for the last phase."""
+        stats = self.stats
+        t0 = stats.clock.stamp()
+        p_full = comp.spread_p(step, reduced)
+        stats.add_time("compress_s", t0)
+        t0 = stats.clock.stamp()
+        dist.all_reduce(p_full, group=info.intra)
+        stats.add_bytes(p_full.numel() * p_full.element_size(), 0, info.expert)
+        stats.add_time("comm_s", t0)
+        t0 = stats.clock.stamp()
+        q_full = comp.middle(step, reduced, p_full)
+        stats.add_time("compress_s", t0)
+        pair = torch.empty(2, q_full.numel() // info.intra_size, device=q_full.device)
+        handle = sent = None
+        if q_full.numel():
+            t0 = stats.clock.stamp()
+            dist.reduce_scatter_tensor(pair[0], q_full, group=info.intra)
+            stats.add_bytes(q_full.numel() * q_full.element_size(), 0, info.expert)
+            sent = comp.instance_q(pair[0])
+            handle = dist.all_reduce(sent, group=info.process_group, async_op=True)
+            stats.add_bytes(sent.numel() * sent.element_size(), 0, info.expert, slow_hop=True)
+            stats.add_time("comm_s", t0)
+        return comp, step, (pair, sent), handle
+
+    def _gather_instance_q(self, pair_sent: tuple, info: _GroupInfo) -> torch.Tensor:
+        """``[s, 2, L_Q / s]``: every rank's ``[Q_t | Q]`` slices, over the instance."""
+        pair, sent = pair_sent
+        gathered = pair.new_empty(info.intra_size, *pair.shape)
+        if sent is not None:
+            pair[1].copy_(sent)
+            dist.all_gather_into_tensor(gathered.view(-1), pair.view(-1), group=info.intra)
+            self.stats.add_bytes(pair.numel() * pair.element_size(), 0, info.expert)
+        return gathered
+
     def _group_info(self, group) -> _GroupInfo:
         return self._group_of[self._bucket_key[id(group.buckets[0])]]
 
@@ -772,6 +812,10 @@ class DPGradientCompression:
                 stats.add_time("comm_s", t0)
                 if comp is None:  # bypassed: the dense all-reduce was the whole sync
                     continue
+                if info.slow_hop:
+                    in_flight.append(self._instance_q(comp, step, bufs, info))
+                    stats.add_nonfinite_flag(key, step.nonfinite)
+                    continue
                 t0 = stats.clock.stamp()
                 q_buf = comp.middle(step, bufs)
                 stats.add_time("compress_s", t0)
@@ -780,14 +824,15 @@ class DPGradientCompression:
                 q_handle = None
                 if q_buf.numel():
                     q_handle = dist.all_reduce(q_buf, group=pg, async_op=True)
-                    stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert,
-                                    info.slow_hop)
+                    stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert)
                 stats.add_time("comm_s", t0)
                 in_flight.append((comp, step, q_buf, q_handle))
             for comp, step, q_buf, q_handle in in_flight:
                 t0 = stats.clock.stamp()
                 if q_handle is not None:
                     q_handle.wait()
+                if info.slow_hop:  # the instance's all-gather of [Q_t | Q] slices
+                    q_buf = self._gather_instance_q(q_buf, info)
                 stats.add_time("comm_s", t0)
                 t0 = stats.clock.stamp()
                 comp.finish(step, q_buf)
