@@ -24,7 +24,11 @@ iteration (veth counters over the run, start-up and evaluation included, divided
 iterations; and the records' ``dp_slow_hop_bytes_sent_job`` where the mode has one),
 compression ms per rank, error-feedback MiB per rank, the final validation loss. Each
 figure is the median over the repetitions with (min–max); ratios pair the runs of one
-repetition. Writes the ``slow_hop`` section of BENCHMARKS.md.
+repetition. Repetition i runs seed 1234 + i (init and data order), so the repetitions are
+also the loss's seeds: losses are compared paired per seed, against the seed-to-seed
+spread. Before the runs of each link, the emulator is checked against the alpha-beta model
+(concurrent all-reduces across the namespaces, :func:`bench.netns.selftest`). Writes the
+``slow_hop`` section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -39,12 +43,15 @@ import numpy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.netns import NetnsUnavailable, ShapedNetwork  # noqa: E402
+from bench.netns import (NetnsUnavailable, ShapedNetwork, selftest,  # noqa: E402
+                         two_level_allreduce_s)
 from bench.report import run_pretrain, write_section  # noqa: E402
 
 RATES = ["100mbit", "300mbit", "1gbit"]
 RANKS, PER_INSTANCE = 4, 2
 RANK = 8
+SEED = 1234            # repetition i runs seed SEED + i: the repetitions are the seeds
+CHECK_NUMEL = 1_600_000  # the emulator check: concurrent all-reduces of 6.4 MB
 BASE = ["--config", "configs/tiny-cpu.yaml", "--pipeline-model-parallel-size", "1",
         "--data-parallel-size", str(RANKS), "--edgc-bypass", "off"]
 PARTIAL = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances",
@@ -86,6 +93,12 @@ def run_all(rates, iters, repeats, out_root) -> dict:
     port = 29700
     for rate in rates:
         with ShapedNetwork(RANKS, rate, ranks_per_namespace=PER_INSTANCE) as net:
+            # the emulator against the alpha-beta model: every instance rank's all-reduce
+            # across instances at once, sharing the links, as the slow hop's shards do
+            check = selftest(net, CHECK_NUMEL, PER_INSTANCE)
+            check["modelled"] = two_level_allreduce_s(CHECK_NUMEL * 4, RANKS // PER_INSTANCE,
+                                                      PER_INSTANCE, rate)
+            results.setdefault("check", {})[rate] = check
             for rep in range(repeats):
                 for mode, flags in MODES.items():
                     port += 1
@@ -99,7 +112,8 @@ def run_all(rates, iters, repeats, out_root) -> dict:
                     records, summary = run_pretrain(
                         f"{mode.replace(' ', '_')}_rep{rep}",
                         BASE + flags + ["--eval-interval", str(iters), "--eval-iters", "5",
-                                        "--lr-warmup-iters", str(max(2, iters // 10))],
+                                        "--lr-warmup-iters", str(max(2, iters // 10)),
+                                        "--seed", str(SEED + rep)],
                         os.path.join(out_root, rate), iters, launch=launch)
                     results.setdefault(f"{rate}|{mode}", []).append(
                         measure(records, summary, net.link_bytes() - before, iters))
@@ -110,8 +124,10 @@ def remeasure(out_root, rates, iters) -> dict:
     """The recorded runs measured again (the veth bytes are only in results.json)."""
     with open(os.path.join(out_root, "results.json")) as fh:
         old = json.load(fh)
-    results = {}
+    results = {"check": old.get("check", {})}
     for key, runs in old.items():
+        if key == "check":
+            continue
         rate, mode = key.split("|")
         if rate not in rates:
             continue
@@ -137,9 +153,25 @@ def cell(vals, spec=".1f", scale=1.0) -> str:
 
 
 def report(results, rates, iters, repeats) -> str:
-    lines = [f"Tiny default (4 layers, hidden 128), TP1·PP1·DP4 as 2 instances × 2 ranks, "
-             f"{iters} iterations, static rank {RANK}, {repeats} repetition(s): median "
-             f"(min–max).", "",
+    lines = []
+    if results.get("check"):
+        lines += [f"The emulator against the alpha-beta model: {PER_INSTANCE} concurrent gloo "
+                  f"all-reduces of {CHECK_NUMEL * 4 / 1e6:.1f} MB across the "
+                  f"{RANKS // PER_INSTANCE} namespaces (one per instance rank, sharing the "
+                  "links, min of 3, until every rank is done), and one inside each "
+                  "namespace:", "",
+                  "| link | across, measured | across, modelled | measured / modelled "
+                  "| inside, measured |", "|---|---|---|---|---|"]
+        for rate in rates:
+            c = results["check"].get(rate)
+            if c:
+                lines.append(f"| {rate} | {1e3 * c['inter']:.1f} ms | "
+                             f"{1e3 * c['modelled']:.1f} ms | {c['inter'] / c['modelled']:.3f} "
+                             f"| {1e3 * c['intra']:.1f} ms |")
+        lines.append("")
+    lines += [f"Tiny default (4 layers, hidden 128), TP1·PP1·DP4 as 2 instances × 2 ranks, "
+             f"{iters} iterations, static rank {RANK}, {repeats} repetition(s), repetition i "
+             f"with seed {SEED} + i: median (min–max).", "",
              "| link | mode | ms/iter | DP sync ms | MB over the shaped links / iter | "
              "compress ms / rank | EF MiB / rank | val loss |",
              "|---|---|---|---|---|---|---|---|"]
@@ -152,17 +184,24 @@ def report(results, rates, iters, repeats) -> str:
                          f"{cell(col('compress_ms'), '.2f')} | {cell(col('ef_mib'), '.2f')} | "
                          f"{cell(col('val_loss'), '.4f')} |")
     lines += ["", "Ratios, paired per repetition (slow hop / flat EDGC; slow hop / dense "
-                  "partial):", "",
-              "| link | compress ms | EF MiB | link bytes | ms/iter vs dense partial |",
-              "|---|---|---|---|---|"]
+                  "partial), and the validation loss paired per seed (slow hop − flat EDGC; "
+                  "slow hop − dense partial) beside the seed-to-seed spread (max − min over "
+                  "the seeds) of flat EDGC's loss:", "",
+              "| link | compress ms | EF MiB | link bytes | ms/iter vs dense partial "
+              "| Δ val loss vs flat EDGC | Δ val loss vs dense partial | seed spread |",
+              "|---|---|---|---|---|---|---|---|"]
     for rate in rates:
         hop, flat = results[f"{rate}|EDGC slow hop"], results[f"{rate}|EDGC flat"]
         dense = results[f"{rate}|dense partial"]
         ratio = lambda a, b, k: [x[k] / y[k] for x, y in zip(a, b)]  # noqa: E731
+        diff = lambda a, b: [x["val_loss"] - y["val_loss"] for x, y in zip(a, b)]  # noqa: E731
+        spread = max(r["val_loss"] for r in flat) - min(r["val_loss"] for r in flat)
         lines.append(f"| {rate} | {cell(ratio(hop, flat, 'compress_ms'), '.2f')} | "
                      f"{cell(ratio(hop, flat, 'ef_mib'), '.2f')} | "
                      f"{cell(ratio(hop, flat, 'link_bytes_per_iter'), '.2f')} | "
-                     f"{cell(ratio(hop, dense, 'iter_ms'), '.2f')} |")
+                     f"{cell(ratio(hop, dense, 'iter_ms'), '.2f')} | "
+                     f"{cell(diff(hop, flat), '+.4f')} | {cell(diff(hop, dense), '+.4f')} | "
+                     f"{spread:.4f} |")
     return "\n".join(lines) + "\n\n<!-- notes -->\n"
 
 
@@ -182,7 +221,7 @@ def main() -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     if args.report_only:
         results = remeasure(args.out, args.rates, iters)
-        repeats = len(next(iter(results.values())))
+        repeats = len(next(v for k, v in results.items() if k != "check"))
     else:
         try:
             results = run_all(args.rates, iters, repeats, args.out)
