@@ -103,6 +103,27 @@ def test_a_compressed_bucket_step_makes_no_host_sync(factor_dtype, spectrum, fin
     assert torch.isfinite(grads[0]).all() == finite
 
 
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spectrum", [False, True])
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_slow_hop_step_makes_no_host_sync(factor_dtype, spectrum, finite):
+    """The slow hop's step (``ShardCompressor``: P rows spread, the instance's Q slices,
+    every phase of 2 instances × 2 ranks, the collectives done by sums in one process)."""
+    from test_shard_powersgd import SlowHopCluster, random_grads
+
+    cluster = SlowHopCluster(2, 2, rank=3, factor_dtype=factor_dtype)
+    for comp in cluster.comps.values():
+        comp.track_spectrum = spectrum
+    cluster.step(random_grads(2, 2, cluster.total, seed=0))   # Q, E and the indices exist
+    grads = random_grads(2, 2, cluster.total, seed=1)
+    if not finite:
+        grads[0][1][3] = float("inf")
+    with HostSyncCounter() as syncs:
+        shards = cluster.step(grads)
+    assert syncs.calls == []
+    assert all(torch.isfinite(v).all() == finite for v in shards.values())
+
+
 def test_pipeline_send_and_receive_make_no_host_sync():
     shape = (32, 2, 48)
     sender = CompressingP2PCommunicator.__new__(CompressingP2PCommunicator)

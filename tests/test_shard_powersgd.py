@@ -238,3 +238,41 @@ def test_local_step_times_the_math_without_collectives():
     shard = torch.randn(cluster.size)
     comp.local_step(cluster.views(shard, 1))
     assert comp.groups and all(g.q is not None for g in comp.groups.values())
+
+
+def test_spectrum_is_the_instances_column_energies():
+    """The budget controller's measured error curves: summed over every rank, the shard
+    compressors' spectrum is flat PowerSGD's with one worker per instance (its instance
+    sum, the cut rows left out), up to the cut rows' share of the column energies."""
+    n_inst, s, r = 2, 2, 3
+    cluster = SlowHopCluster(n_inst, s, rank=r)
+    flats = [flat_compressor(cluster.matrices, r) for _ in range(n_inst)]
+    for comp in [*cluster.comps.values(), *flats]:
+        comp.track_spectrum = True
+    cut = cut_rows(cluster)
+    for it in range(2):
+        grads = random_grads(n_inst, s, cluster.total, seed=10 + it)
+        cluster.step(grads)
+        inst = [sum(g).masked_fill(cut, 0.0) for g in grads]
+        views = [[x[off:off + n * m].view(n, m) for _, (n, m), off in cluster.matrices]
+                 for x in inst]
+        started = [f.start(v) for f, v in zip(flats, views)]
+        summed = [sum(st[0][j] for st in started) for j in range(len(started[0][0]))]
+        qs = [f.middle(st[1], summed) for f, st in zip(flats, started)]
+        for f, st in zip(flats, started):
+            f.finish(st[1], sum(qs))
+    shard = {}
+    for comp in cluster.comps.values():
+        for shape, (total, cols, _) in comp.spectrum.items():
+            t, c = shard.get(shape, (0.0, 0.0))
+            shard[shape] = (t + total, c + cols)
+    flat = {}
+    for comp in flats:
+        for shape, (total, cols, _) in comp.spectrum.items():
+            t, c = flat.get(shape, (0.0, 0.0))
+            flat[shape] = (t + total, c + cols)
+    assert set(shard) == {(n, m) for _, (n, m), _ in cluster.matrices if n > 1}
+    for shape, (total, cols) in flat.items():
+        assert abs(shard[shape][0] - total) <= 1e-6 * total
+        rel = ((shard[shape][1] - cols).abs().max() / cols.max()).item()
+        assert rel < 0.05, (shape, rel)

@@ -269,8 +269,8 @@ class ShardCompressor(BucketCompressor):
             if self.track_spectrum:
                 # the instance's column energies, each block weighted by its share of the
                 # matrix's rows: summed over the blocks they are the whole matrix's
-                weight = torch.tensor([g.n / g.full_n] * k, device=q_t.device).sqrt()
-                self._add_spectrum((g.full_n, g.m), energy, q_t * weight.view(k, 1, 1), bad)
+                weight = (g.n / g.full_n) ** 0.5
+                self._add_spectrum((g.full_n, g.m), energy, q_t * weight, bad)
             g.q = torch.where(bad, g.q, q)
             step.views[key] = None
 
