@@ -253,8 +253,9 @@ def slow_hop_per_rank(layout, s: int, rank: int) -> dict:
     """Per rank of an instance of ``s`` (the worst rank): the slow hop's elements, the
     compression flops and the error-feedback elements of EDGC on the slow hop
     (``compression/shard_powersgd.py``); and the same for flat EDGC (every rank all of
-    it). Flops: ``8 n m r`` per matrix (``M Q``, ``Mᵀ P^``, residual, decompress) on the
-    rows held, ``14 n r²`` per orthonormalized matrix."""
+    it). Flops: ``8 n m r`` per matrix (the two factors, residual, decompress) on the rows
+    held; the orthonormalization ``14 n r²`` per matrix flat, ``14 m r²`` per matrix cut
+    on the slow hop (its factor to orthonormalize is the columns')."""
     from megatron_edgc.compression.shard import shard_pieces
 
     worst = {"slow": 0, "flops": 0, "ef": 0}
@@ -291,7 +292,7 @@ def slow_hop_per_rank(layout, s: int, rank: int) -> dict:
                     touched.add(pc.parent)
                 else:
                     acc["slow"] += pc.numel
-            acc["flops"] += sum(14 * whole[t][0] * rank * rank for t in touched)
+            acc["flops"] += sum(14 * whole[t][1] * rank * rank for t in touched)
     for key in worst:
         worst[key] = max(acc[key] for acc in per_rank)
     worst["slow_total"] = sum(acc["slow"] for acc in per_rank)
@@ -361,7 +362,8 @@ def slow_hop_section(rows: list, settings: dict = SLOW_HOP) -> str:
             f"{settings['rank']}, bf16 factors. Ratios are EDGC on the slow hop against flat "
             "EDGC, per rank (the worst rank of an instance), from the shapes "
             "(`compression/shard.py`'s pieces): math in flops (8·n·m·r on the rows a rank "
-            "holds, 14·n·r² per matrix it orthonormalizes), error feedback in elements, "
+            "holds; orthonormalization 14·n·r² per matrix flat, 14·m·r² per matrix cut on "
+            "the slow hop), error feedback in elements, "
             "bytes crossing between sites per iteration (flat: a ring of N·s ranks crosses N "
             "times). Sync times, alpha-beta with declared links per GPU: fast hop "
             f"{settings['fast_gbit']:.0f} Gbit/s, α {settings['fast_alpha_us']:.0f} µs; "

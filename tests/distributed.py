@@ -87,11 +87,11 @@ def slow_hop_shard_bytes(shapes, offsets, shard, instance_size: int, rank: int,
                          factor_bytes: int = 2) -> tuple:
     """``(slow hop, fast hop beyond the dense reduce-scatter)`` bytes of one bucket shard
     at ``rank`` with Megatron's partial distributed optimizer
-    (``compression/shard_powersgd.py``), from the shapes: across instances the P rows of
-    the shard's row blocks of compressed matrices, the rest of the shard dense in fp32, a
-    flag, and 1/s of the bucket's Q; inside the instance the P rows of the whole bucket
-    with the flag (fp32), the bucket's Q reduce-scattered and ``[Q_t | Q]`` slices
-    all-gathered (fp32)."""
+    (``compression/shard_powersgd.py``), from the shapes: across instances 1/s of the
+    bucket's column factors ``P`` (``m × r`` per compressed matrix), the row factors of the
+    shard's row blocks, the rest of the shard dense in fp32 and a flag; inside the
+    instance ``P`` reduce-scattered (fp32) and this rank's slice all-gathered (factor
+    dtype)."""
     from megatron_edgc.compression.shard import shard_pieces
 
     pieces = shard_pieces([(str(i), o, tuple(sh)) for i, (sh, o) in
@@ -107,11 +107,10 @@ def slow_hop_shard_bytes(shapes, offsets, shard, instance_size: int, rank: int,
             rows += pc.shape[0] * rank
         else:
             dense += pc.numel
-    lp = sum(n * rank for n, m in whole.values() if compressed(n, m))
     lq = sum(m * rank for n, m in whole.values() if compressed(n, m))
-    lq_padded = -(-lq // instance_size) * instance_size
+    lq_padded = -(-(lq + 1) // instance_size) * instance_size   # P, then the flag
     flag = 4 if dense or factor_bytes == 4 else factor_bytes
     slow = factor_bytes * rows + 4 * dense + flag + factor_bytes * lq_padded // instance_size
-    fast = 4 * (lp + 1) + (4 * lq_padded + 8 * lq_padded // instance_size if lq else 0)
+    fast = 4 * lq_padded + factor_bytes * lq_padded // instance_size
     return slow, fast
 

@@ -1,6 +1,6 @@
-"""PowerSGD on the slow hop with one Q per instance (``compression/shard_powersgd.py``),
-in one process: ``N`` instances of ``s`` ranks, every collective of ``patches/ddp.py``'s
-slow-hop path done here by summing tensors. Against flat PowerSGD of the whole bucket
+"""PowerSGD on the slow hop (``compression/shard_powersgd.py``), in one process: ``N``
+instances of ``s`` ranks, every collective of ``patches/ddp.py``'s slow-hop path done here
+by summing tensors. Against flat PowerSGD of the whole (transposed) matrices
 (``BucketCompressor``): the same output step after step (both depend only on the sums),
 conservation of the residuals, full rank = the dense sum, the bytes per rank on the slow
 hop, and the non-finite guarantee."""
@@ -54,41 +54,33 @@ class SlowHopCluster:
         after the sync, ``out[t, k]``."""
         n, s = self.n_inst, self.s
         shards = {}
-        for t in range(n):   # the instance's reduce-scatter
+        for t in range(n):   # the instance's reduce-scatter of the gradients
             summed = sum(grads[t][k] for k in range(s))
             for k in range(s):
                 shards[t, k] = summed[k * self.size:(k + 1) * self.size].clone()
         started = {tk: self.comps[tk].start(self.views(shards[tk], tk[1])) for tk in shards}
-        reduced = {}
-        for k in range(s):   # the slow hop: P rows, dense rest, flag
-            bufs = [sum(started[t, k][0][j].float() for t in range(n)).to(b.dtype)
-                    for j, b in enumerate(started[0, k][0])]
-            for t in range(n):
-                reduced[t, k] = [b.clone() for b in bufs]
-            self.slow_hop_numel[k] = sum(b.numel() for b in bufs)
-        spread = {tk: self.comps[tk].spread_p(started[tk][1], reduced[tk]) for tk in shards}
-        q_full = {}
-        for t in range(n):   # the instance's SUM of the P rows
-            p_full = sum(spread[t, k] for k in range(s))
+        sent = {}
+        for t in range(n):   # the instance's reduce-scatter of P
+            summed = sum(started[t, k][0] for k in range(s)).view(s, -1)
             for k in range(s):
-                q_full[t, k] = self.comps[t, k].middle(started[t, k][1], reduced[t, k],
-                                                        p_full.clone())
-        pairs, sent = {}, {}
-        for t in range(n):   # the instance's reduce-scatter of Q
-            summed = sum(q_full[t, k] for k in range(s)).view(s, -1)
-            for k in range(s):
-                pairs[t, k] = torch.empty(2, summed.shape[1])
-                pairs[t, k][0] = summed[k]
-                sent[t, k] = self.comps[t, k].instance_q(pairs[t, k][0])
-        for k in range(s):   # the slow hop: one Q per instance, 1/s per rank
+                sent[t, k] = self.comps[t, k].to_send(summed[k].clone())
+        gathered = {}
+        for k in range(s):   # the slow hop: 1/s of P per rank
             total = sum(sent[t, k].float() for t in range(n)).to(sent[0, k].dtype)
+            self.slow_hop_numel[k] = total.numel()
             for t in range(n):
-                pairs[t, k][1] = total
-            self.slow_hop_numel[k] += total.numel()
-        for t in range(n):   # the instance's all-gather
-            gathered = torch.stack([pairs[t, k] for k in range(s)])
+                gathered[t, k] = total
+        second = {}
+        for t in range(n):   # the instance's all-gather of P, then Q_b' = M_b P^
+            p_full = torch.cat([gathered[t, k] for k in range(s)])
             for k in range(s):
-                self.comps[t, k].finish(started[t, k][1], gathered.clone())
+                second[t, k] = self.comps[t, k].middle(started[t, k][1], p_full.clone())
+        for k in range(s):   # the slow hop: [Q_b' | dense | flag]
+            bufs = [sum(second[t, k][j].float() for t in range(n)).to(b.dtype)
+                    for j, b in enumerate(second[0, k])]
+            self.slow_hop_numel[k] += sum(b.numel() for b in bufs)
+            for t in range(n):
+                self.comps[t, k].finish(started[t, k][1], [b.clone() for b in bufs])
         return shards
 
     def residual_sum(self):
@@ -108,7 +100,14 @@ class SlowHopCluster:
 
 
 def flat_compressor(matrices, rank, **kw):
-    return BucketCompressor([(nm, sh) for nm, sh, _ in matrices], rank, seed=3, **kw)
+    """Flat PowerSGD of the transposed matrices (the slow hop orthonormalizes the
+    columns' factor), same seeds."""
+    return BucketCompressor([(nm, (sh[1], sh[0])) for nm, sh, _ in matrices], rank, seed=3,
+                            **kw)
+
+
+def transposed_views(x, matrices):
+    return [x[off:off + n * m].view(n, m).t() for _, (n, m), off in matrices]
 
 
 def flat_step(comp, matrices, grads, dense_at):
@@ -117,8 +116,7 @@ def flat_step(comp, matrices, grads, dense_at):
     matrices are compressed without them, and they arrive exact."""
     dense = sum(grads)
     total = dense.masked_fill(dense_at, 0.0)
-    views = [total[off:off + n * m].view(n, m) for _, (n, m), off in matrices]
-    bufs, step = comp.start(views)
+    bufs, step = comp.start(transposed_views(total, matrices))
     comp.finish(step, comp.middle(step, bufs))
     return torch.where(dense_at, dense, total)
 
@@ -193,26 +191,32 @@ def test_slow_hop_carries_own_rows_and_one_q_per_instance(s):
     cluster = SlowHopCluster(2, s, rank=r)
     cluster.step(random_grads(2, s, cluster.total, seed=0))
     lq = sum(m * r for _, (n, m), _ in cluster.matrices if n > 1)
-    lq_padded = -(-lq // s) * s
+    lq_padded = -(-(lq + 1) // s) * s   # the column factors, then the flag
     for k in range(s):
         comp = cluster.comps[0, k]
         rows = sum(pc.shape[0] * r for pc in cluster.pieces[k] if pc.row_block)
         dense = sum(pc.numel for pc in cluster.pieces[k] if not pc.row_block)
         expected = rows + dense + 1 + lq_padded // s
         assert cluster.slow_hop_numel[k] == expected == sum(comp.collective_numels())
-    # one Q per instance: the instance's Q elements on the slow hop do not grow with s
-    assert sum(cluster.comps[0, k].collective_numels()[1] for k in range(s)) == lq_padded
+        assert sum(comp.first_collectives()) == 4 * expected
+    # one column factor per instance: its elements on the slow hop do not grow with s
+    assert sum(cluster.comps[0, k].collective_numels()[0] for k in range(s)) == lq_padded
 
 
-def test_nonfinite_anywhere_keeps_every_ranks_state_and_q():
+@pytest.mark.parametrize("at", [5, 1265], ids=["in-a-matrix-of-shard-0",
+                                              "in-a-vector-of-shard-1"])
+def test_nonfinite_anywhere_keeps_every_ranks_state_and_q(at):
     cluster = SlowHopCluster(2, 2, rank=2)
+    (piece,) = [pc for pcs in cluster.pieces for pc in pcs
+                if pc.start <= at < pc.start + pc.numel]
+    assert piece.row_block == (at == 5)   # a row block's P, or a dense piece's flag
     cluster.step(random_grads(2, 2, cluster.total, seed=0))
     before = {tk: [(g.q.clone(), g.residual.clone()) for g in c.groups.values()]
               for tk, c in cluster.comps.items()}
     grads = random_grads(2, 2, cluster.total, seed=1)
-    grads[1][0][5] = float("nan")   # one element of shard 0 of instance 1's rank 0
+    grads[1][0][at] = float("nan")   # one element of instance 1's rank 0's gradient
     shards = cluster.step(grads)
-    for tk, comp in cluster.comps.items():   # shard 1 too: it shares Q with shard 0
+    for tk, comp in cluster.comps.items():   # every rank, whichever shard it reached
         for (q, e), g in zip(before[tk], comp.groups.values()):
             assert torch.equal(q, g.q) and torch.equal(e, g.residual)
         assert torch.isnan(shards[tk]).any()
@@ -254,8 +258,7 @@ def test_spectrum_is_the_instances_column_energies():
         grads = random_grads(n_inst, s, cluster.total, seed=10 + it)
         cluster.step(grads)
         inst = [sum(g).masked_fill(cut, 0.0) for g in grads]
-        views = [[x[off:off + n * m].view(n, m) for _, (n, m), off in cluster.matrices]
-                 for x in inst]
+        views = [transposed_views(x, cluster.matrices) for x in inst]
         started = [f.start(v) for f, v in zip(flats, views)]
         summed = [sum(st[0][j] for st in started) for j in range(len(started[0][0]))]
         qs = [f.middle(st[1], summed) for f, st in zip(flats, started)]
@@ -268,11 +271,18 @@ def test_spectrum_is_the_instances_column_energies():
             shard[shape] = (t + total, c + cols)
     flat = {}
     for comp in flats:
-        for shape, (total, cols, _) in comp.spectrum.items():
-            t, c = flat.get(shape, (0.0, 0.0))
-            flat[shape] = (t + total, c + cols)
+        for (m, n), (total, cols, _) in comp.spectrum.items():
+            t, c = flat.get((n, m), (0.0, 0.0))
+            flat[n, m] = (t + total, c + cols)
     assert set(shard) == {(n, m) for _, (n, m), _ in cluster.matrices if n > 1}
+    whole = {name: shape for name, shape, _ in cluster.matrices}
+    cut = {whole[pc.parent] for pieces in cluster.pieces for pc in pieces
+           if pc.row_block and pc.shape[0] < whole[pc.parent][0]}
+    assert cut   # a matrix split between two ranks
     for shape, (total, cols) in flat.items():
         assert abs(shard[shape][0] - total) <= 1e-6 * total
+        # the captured energy over all columns is exact; per column too for a matrix in
+        # one shard; a matrix split between ranks has its columns sorted per block
+        assert abs(shard[shape][1].sum() - cols.sum()) <= 1e-5 * cols.sum()
         rel = ((shard[shape][1] - cols).abs().max() / cols.max()).item()
-        assert rel < 0.05, (shape, rel)
+        assert rel < (0.15 if shape in cut else 1e-5), (shape, rel)

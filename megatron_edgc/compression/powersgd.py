@@ -253,6 +253,7 @@ class _Step:
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
     q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
     nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
+    dense: list = field(default_factory=list)    # the dense rest, flat (the slow hop)
 
 
 class BucketCompressor:
@@ -368,9 +369,7 @@ class BucketCompressor:
             if r_new < r_old:
                 g.q = g.q[:, :, :r_new].contiguous()
             elif r_new > r_old:
-                extra = torch.stack([seeded_gaussian(self.seed, name, f"grow{r_old}-{r_new}",
-                                                     g.m, r_new - r_old)
-                                     for name in g.seed_names])
+                extra = self._seeded(g, f"grow{r_old}-{r_new}", r_new - r_old)
                 g.q = torch.cat([g.q, extra.to(g.q.device)], dim=2)
 
     def matrix_shapes(self) -> list:
@@ -425,7 +424,7 @@ class BucketCompressor:
     def state_bytes(self) -> int:
         """What stays between steps: residuals (``ef_dtype``) and warm-start Q (fp32)."""
         ef = torch.finfo(self.ef_dtype).bits // 8
-        return sum(len(g.indices) * (g.n * g.m * ef + g.m * self._rank_for(g) * 4)
+        return sum(len(g.indices) * (g.n * g.m * ef + self._q_shape(g)[0] * self._rank_for(g) * 4)
                    for g in self.groups.values())
 
     def dense_numel(self) -> int:
@@ -433,10 +432,19 @@ class BucketCompressor:
 
     # ------------------------------------------------------------------ one step
 
+    def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
+        """``[k, m, cols]`` seeded Gaussians of the group's warm start (per matrix, the
+        same on every rank): the first ``Q``, or columns added when the rank grows."""
+        return torch.stack([seeded_gaussian(self.seed, name, tag, g.m, cols)
+                            for name in g.seed_names])
+
+    def _q_shape(self, g: ShapeGroup) -> tuple:
+        """The shape of one matrix's warm start ``Q``."""
+        return (g.m, self._rank_for(g))
+
     def _init_group(self, g: ShapeGroup, device) -> None:
         r = self._rank_for(g)
-        g.q = torch.stack([seeded_gaussian(self.seed, name, "init", g.m, r)
-                           for name in g.seed_names]).to(device)
+        g.q = self._seeded(g, "init", r).to(device)
         g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=self.ef_dtype, device=device)
 
     def _views(self, g: ShapeGroup, grads: Sequence[torch.Tensor]) -> tuple[list, bool]:
@@ -492,29 +500,46 @@ class BucketCompressor:
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
         device = grads[0].device
-        p_parts, dense_parts = [], []
+        p_parts = []
         for key, g in self.groups.items():
             if g.q is None:
                 self._init_group(g, device)
             p_parts.append(self._form_m_and_p(key, g, grads, step).view(-1))
+        return self._pack(p_parts, self._dense_parts(grads), device), step
+
+    def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
+        """The uncompressed gradients, flat fp32, a matrix's residual handed back once
+        when it fell back to dense (nothing is lost)."""
+        parts = []
         for i in self.dense_indices:
             name = self.entries[i][0]
             if name in self._pending_flush:
                 grads[i].add_(self._pending_flush.pop(name).view_as(grads[i]).to(grads[i].dtype))
-            dense_parts.append(grads[i].float().reshape(-1))
+            parts.append(grads[i].float().reshape(-1))
+        return parts
+
+    def _pack(self, factor_parts: list, dense_parts: list, device,
+              also_nonfinite: Optional[torch.Tensor] = None) -> list:
+        """The buffers of one phase: ``[factors | dense | flag]`` (fp32), or with bf16
+        factors ``[factors]`` (bf16) and ``[dense | flag]`` (fp32), either absent when
+        empty (the flag then rides with the factors). The flag is 1 where a payload (after
+        the cast to the factor dtype) is non-finite, or ``also_nonfinite`` is set."""
         if self.factor_dtype != torch.float32:  # checked after the cast: it may overflow
-            p_parts = [part.to(self.factor_dtype) for part in p_parts]
+            factor_parts = [part.to(self.factor_dtype) for part in factor_parts]
         flag = torch.zeros(1, device=device)
         if self.factor_dtype == torch.float32:
-            bufs = [torch.cat(p_parts + dense_parts + [flag])]
+            bufs = [torch.cat(factor_parts + dense_parts + [flag])]
         elif not dense_parts:  # the flag rides with P (it sums exactly in bf16 up to 256)
-            bufs = [torch.cat(p_parts + [flag.to(self.factor_dtype)])]
+            bufs = [torch.cat(factor_parts + [flag.to(self.factor_dtype)])]
         else:
-            bufs = ([torch.cat(p_parts)] if p_parts else []) + [torch.cat(dense_parts + [flag])]
+            bufs = ([torch.cat(factor_parts)] if factor_parts else []) + \
+                [torch.cat(dense_parts + [flag])]
         payloads = bufs[:-1] + [bufs[-1][:-1]]
-        nonfinite = torch.stack([torch.isfinite(b).all() for b in payloads]).all().logical_not()
-        bufs[-1][-1] = nonfinite
-        return bufs, step
+        finite = torch.stack([torch.isfinite(b).all() for b in payloads]).all()
+        if also_nonfinite is not None:
+            finite = finite & also_nonfinite.logical_not()
+        bufs[-1][-1] = finite.logical_not()
+        return bufs
 
     def middle(self, step: _Step, reduced: Sequence[torch.Tensor]) -> torch.Tensor:
         """After the first SUM (the buffers of :meth:`start`, reduced): orthonormalize P,
@@ -675,7 +700,7 @@ class BucketCompressor:
         mats = state["matrices"]
         for g in self.groups.values():
             r = self._rank_for(g)
-            ok = all(name in mats and tuple(mats[name]["q"].shape) == (g.m, r)
+            ok = all(name in mats and tuple(mats[name]["q"].shape) == self._q_shape(g)
                      and tuple(mats[name]["residual"].shape) == (g.n, g.m) for name in g.names)
             if ok:
                 dev = device if device is not None else self.device

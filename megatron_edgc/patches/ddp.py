@@ -706,44 +706,46 @@ class DPGradientCompression:
         self.stats.add_bytes(total - slow, total - slow, info.expert)
         self.stats.add_bytes(slow, slow, info.expert, slow_hop=True)
 
-    def _instance_q(self, comp: ShardCompressor, step, reduced, info: _GroupInfo) -> tuple:
-        """The slow hop's second phase for one bucket, after its ``P`` rows came back
-        across instances (:mod:`megatron_edgc.compression.shard_powersgd`): the rows
-        gathered over the instance (a SUM), the whole matrices orthonormalized, the
-        instance's ``Q`` reduce-scattered, and this rank's slice of it launched across
-        instances. Returns ``(comp, step, (pair, sent), handle)`` for the last phase."""
+    def _slow_hop_start(self, comp: ShardCompressor, grads, info: _GroupInfo,
+                        async_op: bool, dense_bytes: int) -> tuple:
+        """The slow hop's first phase for one bucket (``compression/shard_powersgd.py``):
+        ``[P_b at each matrix's place | flag]`` reduce-scattered inside the instance, this
+        rank's slice launched across instances. Returns ``(step, sent, handle)``."""
         stats = self.stats
         t0 = stats.clock.stamp()
-        p_full = comp.spread_p(step, reduced)
+        p_full, step = comp.start(grads)
         stats.add_time("compress_s", t0)
         t0 = stats.clock.stamp()
-        dist.all_reduce(p_full, group=info.intra)
+        own = p_full.new_empty(p_full.numel() // info.intra_size)
+        dist.reduce_scatter_tensor(own, p_full, group=info.intra)
         stats.add_bytes(p_full.numel() * p_full.element_size(), 0, info.expert)
+        sent = comp.to_send(own)
+        handle = dist.all_reduce(sent, group=info.process_group, async_op=async_op)
+        stats.add_time("comm_s", t0)
+        stats.add_bytes(sent.numel() * sent.element_size(), dense_bytes, info.expert,
+                        slow_hop=True)
+        return step, sent, handle
+
+    def _slow_hop_middle(self, comp: ShardCompressor, step, sent, info: _GroupInfo) -> tuple:
+        """The second phase, after the slice came back summed: the instance's all-gather of
+        ``P``, ``Q_b' = M_b P^``, and ``[Q_b' | dense | flag]`` launched across instances.
+        Returns ``(buffers, handles)``."""
+        stats = self.stats
+        t0 = stats.clock.stamp()
+        p_full = sent.new_empty(sent.numel() * info.intra_size)
+        dist.all_gather_into_tensor(p_full, sent, group=info.intra)
+        stats.add_bytes(sent.numel() * sent.element_size(), 0, info.expert)
         stats.add_time("comm_s", t0)
         t0 = stats.clock.stamp()
-        q_full = comp.middle(step, reduced, p_full)
+        bufs = comp.middle(step, p_full)
         stats.add_time("compress_s", t0)
-        pair = torch.empty(2, q_full.numel() // info.intra_size, device=q_full.device)
-        handle = sent = None
-        if q_full.numel():
-            t0 = stats.clock.stamp()
-            dist.reduce_scatter_tensor(pair[0], q_full, group=info.intra)
-            stats.add_bytes(q_full.numel() * q_full.element_size(), 0, info.expert)
-            sent = comp.instance_q(pair[0])
-            handle = dist.all_reduce(sent, group=info.process_group, async_op=True)
-            stats.add_bytes(sent.numel() * sent.element_size(), 0, info.expert, slow_hop=True)
-            stats.add_time("comm_s", t0)
-        return comp, step, (pair, sent), handle
-
-    def _gather_instance_q(self, pair_sent: tuple, info: _GroupInfo) -> torch.Tensor:
-        """``[s, 2, L_Q / s]``: every rank's ``[Q_t | Q]`` slices, over the instance."""
-        pair, sent = pair_sent
-        gathered = pair.new_empty(info.intra_size, *pair.shape)
-        if sent is not None:
-            pair[1].copy_(sent)
-            dist.all_gather_into_tensor(gathered.view(-1), pair.view(-1), group=info.intra)
-            self.stats.add_bytes(pair.numel() * pair.element_size(), 0, info.expert)
-        return gathered
+        t0 = stats.clock.stamp()
+        handles = [dist.all_reduce(buf, group=info.process_group, async_op=True)
+                   for buf in bufs]
+        stats.add_bytes(sum(b.numel() * b.element_size() for b in bufs), 0, info.expert,
+                        slow_hop=True)
+        stats.add_time("comm_s", t0)
+        return bufs, handles
 
     def _group_info(self, group) -> _GroupInfo:
         return self._group_of[self._bucket_key[id(group.buckets[0])]]
@@ -788,6 +790,12 @@ class DPGradientCompression:
                 stats.add_bytes(dense_bytes, dense_bytes, info.expert, info.slow_hop)
                 launched.append((key, None, None, None, [handle]))
                 continue
+            if info.slow_hop:
+                stats.add_time("compress_s", t0)
+                step, sent, handle = self._slow_hop_start(comp, grads, info, async_op,
+                                                          dense_bytes)
+                launched.append((key, comp, sent, step, [handle]))
+                continue
             bufs, step = comp.start(grads)
             stats.add_time("compress_s", t0)
             t0 = stats.clock.stamp()
@@ -812,31 +820,29 @@ class DPGradientCompression:
                 stats.add_time("comm_s", t0)
                 if comp is None:  # bypassed: the dense all-reduce was the whole sync
                     continue
-                if info.slow_hop:
-                    in_flight.append(self._instance_q(comp, step, bufs, info))
-                    stats.add_nonfinite_flag(key, step.nonfinite)
+                if info.slow_hop:  # bufs: the P slice, summed across instances
+                    second, q_handles = self._slow_hop_middle(comp, step, bufs, info)
+                    in_flight.append((key, comp, step, second, q_handles))
                     continue
                 t0 = stats.clock.stamp()
                 q_buf = comp.middle(step, bufs)
                 stats.add_time("compress_s", t0)
-                stats.add_nonfinite_flag(key, step.nonfinite)
                 t0 = stats.clock.stamp()
-                q_handle = None
+                q_handles = []
                 if q_buf.numel():
-                    q_handle = dist.all_reduce(q_buf, group=pg, async_op=True)
+                    q_handles.append(dist.all_reduce(q_buf, group=pg, async_op=True))
                     stats.add_bytes(q_buf.numel() * q_buf.element_size(), 0, info.expert)
                 stats.add_time("comm_s", t0)
-                in_flight.append((comp, step, q_buf, q_handle))
-            for comp, step, q_buf, q_handle in in_flight:
+                in_flight.append((key, comp, step, q_buf, q_handles))
+            for key, comp, step, q_buf, q_handles in in_flight:
                 t0 = stats.clock.stamp()
-                if q_handle is not None:
-                    q_handle.wait()
-                if info.slow_hop:  # the instance's all-gather of [Q_t | Q] slices
-                    q_buf = self._gather_instance_q(q_buf, info)
+                for handle in q_handles:
+                    handle.wait()
                 stats.add_time("comm_s", t0)
                 t0 = stats.clock.stamp()
                 comp.finish(step, q_buf)
                 stats.add_time("compress_s", t0)
+                stats.add_nonfinite_flag(key, step.nonfinite)
             for bucket in group.buckets:
                 _copy_extra_main_grads(bucket, into_buffer=False)
 

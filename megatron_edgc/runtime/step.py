@@ -72,8 +72,8 @@ class EdgcRuntime:
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
                 f"; compressing the slow hop only: each rank's shard across {instances} "
-                f"distributed-optimizer instances, one Q per instance (the reduce-scatter "
-                f"inside an instance stays dense)")
+                f"distributed-optimizer instances, one factor per matrix per instance (the "
+                f"reduce-scatter inside an instance stays dense)")
             self.log(f"EDGC: error-feedback state {self.dp_compression.state_bytes() / 2**20:.1f}"
                      f" MiB per rank at rank {e.rank} ({e.ef_dtype} residual, "
                      f"{e.factor_dtype} factors){hop}")
