@@ -762,11 +762,13 @@ class DPGradientCompression:
             if group.ddp_config.average_in_collective else 1.0
         launched = []
         for bucket in group.buckets:
-            t0 = stats.clock.stamp()
+            # megatron-core's own part of the sync (its dense path does the same): not
+            # counted as compression time
             _copy_extra_main_grads(bucket, into_buffer=True)
             factor = bucket.gradient_scaling_factor * scale_extra
             if factor != 1.0:
                 bucket.grad_data *= factor
+            t0 = stats.clock.stamp()
             key = self._bucket_key[id(bucket)]
             comp = self.compressors[key]
             data, dense_bytes = bucket.grad_data, _bucket_grad_bytes(bucket)
@@ -775,7 +777,6 @@ class DPGradientCompression:
                 # shard summed over the instance (in place, as megatron-core does)
                 lo, hi = _shard_range(bucket, info)
                 data = bucket.grad_data[lo:hi]
-                stats.add_time("compress_s", t0)
                 t0 = stats.clock.stamp()
                 dist.reduce_scatter_tensor(data, bucket.grad_data, group=info.intra)
                 stats.add_time("comm_s", t0)
