@@ -108,7 +108,8 @@ def slow_hop_shard_bytes(shapes, offsets, shard, instance_size: int, rank: int,
         else:
             dense += pc.numel
     lq = sum(m * rank for n, m in whole.values() if compressed(n, m))
-    lq_padded = -(-(lq + 1) // instance_size) * instance_size   # P, then the flag
+    # P, then the flag; no first phase at all without a compressed matrix
+    lq_padded = -(-(lq + 1) // instance_size) * instance_size if lq else 0
     flag = 4 if dense or factor_bytes == 4 else factor_bytes
     slow = factor_bytes * rows + 4 * dense + flag + factor_bytes * lq_padded // instance_size
     fast = 4 * lq_padded + factor_bytes * lq_padded // instance_size

@@ -64,12 +64,52 @@ def build(case: str):
     return ddp, config
 
 
+def bypass_agreement(out_dir: str) -> None:
+    """CASE ``inst2-bypass``: the bypass on the slow hop, where the ranks of an instance
+    hold different shards and so measure different costs: made to disagree (compression
+    costs 0 s on instance rank 0, 1000 s on instance rank 1), the decision must still be
+    the same on every rank of an instance, or the instance's collectives of a compressed
+    bucket would meet another bucket's. Records the decisions and one sync's result."""
+    from megatron.core import parallel_state
+
+    from megatron_edgc.compression.bypass import LinkModel
+    from megatron_edgc.patches.ddp import DPGradientCompression
+
+    ddp, _ = build("inst2")
+    comp = DPGradientCompression([ddp], parallel_state.get_data_parallel_group(),
+                                 rank=LOW_RANK, min_compression_rate=2.0, start_iter=0,
+                                 seed=7, bypass="auto", link=LinkModel.declared(1.0))
+    info = next(iter(comp._group_of.values()))
+    comp._cost_model = {key: (1e3 * info.intra_rank, 0.0) for key in comp.compressors}
+    comp.set_iteration(0)
+    comp.prepare_iteration()
+    first = sorted(comp.dense_keys)
+    comp.prepare_iteration()   # the same rank setting: the agreed decisions, cached
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(5),
+                    requires_grad=True)
+    output, _ = ddp(x)
+    output.float().square().mean().backward()
+    ddp.finish_grad_sync()
+    comp.stats.resolve()
+    out = {"rank": dist.get_rank(), "intra_rank": info.intra_rank, "dense_keys": first,
+           "dense_keys_again": sorted(comp.dense_keys), "keys": sorted(comp.compressors),
+           "bypassed": comp.stats.bypassed_buckets,
+           "finite": all(bool(torch.isfinite(b.grad_data).all())
+                         for g in ddp.bucket_groups for b in g.buckets)}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     case, out_dir = sys.argv[1], sys.argv[2]
     apply_cpu_shims()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
+    if case == "inst2-bypass":
+        return bypass_agreement(out_dir)
     ddp, _ = build(case)
     from megatron.core import parallel_state
 

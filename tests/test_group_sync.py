@@ -156,3 +156,15 @@ def check_slow_hop(r: dict, inter_members: list) -> None:
     # error feedback (residual + Q) of the shard: about half of the whole matrices'
     whole = sum(4 * math.prod(s) for s in shapes if len(s) == 2)
     assert 0.4 * whole < r["state_bytes"] <= 0.55 * whole, (r["state_bytes"], whole)
+
+
+def test_slow_hop_bypass_decides_alike_inside_each_instance(tmp_path):
+    """``--edgc-bypass auto`` with 2 instances: the ranks of an instance measure different
+    costs (made 0 s and 1000 s here), yet every rank sends the same buckets dense (MAX
+    over the instance), the sync completes, and the decision is cached per rank."""
+    results = run_case("inst2-bypass", str(tmp_path / "bypass"))
+    assert sorted(r["intra_rank"] for r in results) == [0, 0, 1, 1]
+    for r in results:
+        # instance rank 1 would send every bucket dense: so does instance rank 0
+        assert r["dense_keys"] == r["keys"] == r["dense_keys_again"]
+        assert r["bypassed"] == len(r["keys"]) and r["finite"]

@@ -16,9 +16,9 @@ from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_comp
 SHAPES = [(24, 16), (16,), (24, 16), (40, 12), (12,), (32, 20), (7,)]
 
 
-def bucket_layout(s):
+def bucket_layout(s, shapes=SHAPES):
     matrices, at = [], 0
-    for i, shape in enumerate(SHAPES):
+    for i, shape in enumerate(shapes):
         n, m = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
         matrices.append((f"w{i}", (n, m), at))
         at += n * m
@@ -29,9 +29,9 @@ def bucket_layout(s):
 class SlowHopCluster:
     """``instances × s`` ranks; rank ``(t, k)`` owns shard ``k`` of instance ``t``."""
 
-    def __init__(self, instances, s, rank, factor_dtype=torch.float32, **kw):
+    def __init__(self, instances, s, rank, factor_dtype=torch.float32, shapes=SHAPES, **kw):
         self.n_inst, self.s = instances, s
-        self.matrices, self.total = bucket_layout(s)
+        self.matrices, self.total = bucket_layout(s, shapes)
         self.size = self.total // s
         self.pieces = [shard_pieces([(nm, off, sh) for nm, sh, off in self.matrices],
                                     k * self.size, (k + 1) * self.size) for k in range(s)]
@@ -59,20 +59,28 @@ class SlowHopCluster:
             for k in range(s):
                 shards[t, k] = summed[k * self.size:(k + 1) * self.size].clone()
         started = {tk: self.comps[tk].start(self.views(shards[tk], tk[1])) for tk in shards}
+        shared = self.comps[0, 0].shares_factor()   # the same answer on every rank
+        assert all(c.shares_factor() == shared for c in self.comps.values())
         sent = {}
         for t in range(n):   # the instance's reduce-scatter of P
+            if not shared:
+                break
             summed = sum(started[t, k][0] for k in range(s)).view(s, -1)
             for k in range(s):
                 sent[t, k] = self.comps[t, k].to_send(summed[k].clone())
         gathered = {}
         for k in range(s):   # the slow hop: 1/s of P per rank
+            self.slow_hop_numel[k] = 0
+            if not shared:
+                continue
             total = sum(sent[t, k].float() for t in range(n)).to(sent[0, k].dtype)
             self.slow_hop_numel[k] = total.numel()
             for t in range(n):
                 gathered[t, k] = total
         second = {}
         for t in range(n):   # the instance's all-gather of P, then Q_b' = M_b P^
-            p_full = torch.cat([gathered[t, k] for k in range(s)])
+            p_full = torch.cat([gathered[t, k] for k in range(s)]) if shared else \
+                torch.empty(0)
             for k in range(s):
                 second[t, k] = self.comps[t, k].middle(started[t, k][1], p_full.clone())
         for k in range(s):   # the slow hop: [Q_b' | dense | flag]
@@ -132,10 +140,10 @@ def cut_rows(cluster):
     return mask
 
 
-def random_grads(instances, s, total, seed):
+def random_grads(instances, s, total, seed, shapes=SHAPES):
     """Every rank's gradient; the bucket's padding is zero, as in Megatron's buffer."""
     gen = torch.Generator().manual_seed(seed)
-    params = sum(n * m for _, (n, m), _ in bucket_layout(s)[0])
+    params = sum(n * m for _, (n, m), _ in bucket_layout(s, shapes)[0])
     grads = [[torch.randn(total, generator=gen) for _ in range(s)] for _ in range(instances)]
     for inst in grads:
         for g in inst:
@@ -286,3 +294,27 @@ def test_spectrum_is_the_instances_column_energies():
         assert abs(shard[shape][1].sum() - cols.sum()) <= 1e-5 * cols.sum()
         rel = ((shard[shape][1] - cols).abs().max() / cols.max()).item()
         assert rel < (0.15 if shape in cut else 1e-5), (shape, rel)
+
+
+def test_a_bucket_without_a_compressed_matrix_syncs_exactly():
+    """All matrices too small to compress: every rank skips the first phase and sends its
+    shard's dense rest, the exact sum."""
+    shapes = [(40,), (3, 4)]
+    cluster = SlowHopCluster(2, 4, rank=2, shapes=shapes)
+    assert not any(c.shares_factor() for c in cluster.comps.values())
+    grads = random_grads(2, 4, cluster.total, seed=4, shapes=shapes)
+    dense = sum(g for inst in grads for g in inst)
+    out = cluster.whole(cluster.step(grads))
+    assert torch.allclose(out[:52], dense[:52], atol=1e-6)
+    assert all(n == cluster.size + 1 for n in cluster.slow_hop_numel.values())
+
+
+def test_a_shard_of_bucket_padding_takes_part():
+    """A shard with no piece (only the bucket's padding) still runs both phases."""
+    comp = ShardCompressor([], [], [("w", (64, 32))], 4, 2)
+    assert comp.shares_factor() and comp.collective_numels() == (comp.slice_numel(), 1)
+    p_full, step = comp.start([])
+    assert p_full.abs().sum() == 0
+    bufs = comp.middle(step, p_full)
+    comp.finish(step, bufs)
+    assert [b.numel() for b in bufs] == [1] and bufs[0][0] == 0

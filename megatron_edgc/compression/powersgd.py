@@ -13,7 +13,7 @@ One step for a bucket, on every DP rank ``i``::
     [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
                                         uncompressed rest (biases, norms, small matrices)
                                         and a non-finite flag
-    P^   = orth(sum P)                  batched CholeskyQR2 in fp32 (:func:`orthonormalize`)
+    P^   = orth(sum P)                  batched CholeskyQR3 in fp32 (:func:`orthonormalize`)
     Q_i  = M_i^T P^
     [Q]  --SUM-->                       one collective: all Q of the bucket
     E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
@@ -236,7 +236,7 @@ class ShapeGroup:
     full_n: int = 0
     #: the names the warm start is seeded by (the whole matrices'); ``names`` when empty
     seed_names: list = field(default_factory=list)
-    q: Optional[torch.Tensor] = None          # [k, m, r] warm start
+    q: Optional[torch.Tensor] = None          # [k, m, r] warm start ([k, n, r]: shard_powersgd)
     residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback (ef_dtype)
     runs_key: Optional[tuple] = None          # the gradient addresses the runs were made for
     runs: Optional[list] = None               # strided_runs() of those addresses
@@ -251,6 +251,7 @@ class _Step:
     copied: dict = field(default_factory=dict)  # group key -> True: views are a copy
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
+    # (shard_powersgd, PowerSGD of Mᵀ: P^ is [k, m, r] and q_local M P^ [k, n, r])
     q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
     nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
     dense: list = field(default_factory=list)    # the dense rest, flat (the slow hop)
@@ -499,7 +500,7 @@ class BucketCompressor:
         factor dtype) or of the dense rest is non-finite, else 0, decided on the device."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
-        device = grads[0].device
+        device = grads[0].device if grads else self.device
         p_parts = []
         for key, g in self.groups.items():
             if g.q is None:

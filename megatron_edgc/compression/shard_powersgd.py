@@ -27,14 +27,18 @@ instance sends ``(n + m) r`` per matrix whatever ``s``; the math (``M_bᵀ Q_b``
 ``M_b P^``, the residual, the decompression), the error feedback and the warm start are
 this rank's rows only, 1/s of the bucket's; the orthonormalization is of ``m × r``
 factors (``14 m r²`` per matrix cut, beside ``8 n_b m r``). Inside the instance: one
-reduce-scatter and one all-gather of ``[L]``.
+reduce-scatter and one all-gather of ``[L]``; across instances: the slice, then one
+all-reduce of the second phase (two with bf16 factors and a dense rest, as flat).
 
-Flag: each rank's count of non-finite values in its dense rest rides in a slot after
-``P``, so with a non-finite ``P`` (a NaN in any row block) it reaches every rank through
-the all-gather: a NaN anywhere in a bucket makes every rank of the DP group keep that
-bucket's ``E`` and ``Q_b`` bit for bit, as a flat bucket does, and its gradients NaN. The
-second phase's flag adds the row factor's bf16 overflow, decided by the ranks of that
-shard together.
+Flag: each rank's flag (0 or 1) for a non-finite value in its dense rest rides in a slot
+after ``P``, and a NaN in any row block makes ``P`` itself non-finite; both reach every
+rank through the all-gather, so a non-finite gradient anywhere in a bucket makes every
+rank of the DP group keep that bucket's ``E`` and ``Q_b`` bit for bit, as a flat bucket
+does (the optimizer sees the NaN: the shards holding it, or all of them where ``P`` was
+non-finite, decompress NaN). The second phase's flag adds an overflow of the row factor
+``Q_b'`` alone (finite inputs, a product past the factor dtype's range): that is decided
+by the owners of that shard together, the other shards go on. A bucket with no
+compressed matrix skips the first phase: its shards' dense rests are all it sends.
 
 Pure tensors: :mod:`megatron_edgc.patches.ddp` issues the collectives, in this order.
 """
@@ -84,6 +88,7 @@ class ShardCompressor(BucketCompressor):
     def _plan(self) -> None:
         super()._plan()
         self._layout_cache = None
+        self._layout()   # and its device indices: built here, outside the step
 
     def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
         """This rank's rows of each matrix's seeded ``[n, cols]`` Gaussian (the same
@@ -99,8 +104,8 @@ class ShardCompressor(BucketCompressor):
         """Where each compressed matrix's ``P`` (``m × r``) sits in the bucket-wide
         ``[L]``; the matrices this rank cuts, batched per shape for the orthonormalization
         (their ``P^`` one after the other); per group the flat indices of its blocks'
-        ``P`` in ``[L]`` and ``P^`` in that batch (host arithmetic once per rank change;
-        the indices go to the device on first use)."""
+        ``P`` in ``[L]`` and ``P^`` in that batch. Built with :meth:`_plan` (at a rank
+        change, outside the step), the indices on the compressor's device."""
         if self._layout_cache is not None:
             return self._layout_cache
         p_at, length = {}, 0
@@ -110,6 +115,9 @@ class ShardCompressor(BucketCompressor):
                 p_at[name] = (length, m, r)
                 length += m * r
         s = self.instance_size
+        # [L | flag], padded to s; nothing at all when no matrix of the bucket is compressed
+        # (the same on every rank: the bucket's matrix list is): no factor is shared then
+        padded = -(-(length + 1) // s) * s if length else 0
         batches: dict = {}
         for g in self.groups.values():
             for matrix in g.seed_names:
@@ -121,25 +129,24 @@ class ShardCompressor(BucketCompressor):
             for matrix in names:
                 hat_at[matrix] = offset
                 offset += m * r
+        def index(starts: list, size: int) -> torch.Tensor:
+            """``[len(starts) * size]`` flat indices ``start + arange(size)``."""
+            base = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
+            flat = (base + torch.arange(size)).reshape(-1)
+            return flat if self.device is None else flat.to(self.device)
+
+        groups = {}
+        for key, g in self.groups.items():
+            k = g.m * self._rank_for(g)
+            groups[key] = (index([p_at[mx][0] for mx in g.seed_names], k),
+                           index([hat_at[mx] for mx in g.seed_names], k))
         self._layout_cache = {
             "flag_at": length,               # the bucket's non-finite count, after P
-            "length": -(-(length + 1) // s) * s,
-            "batches": [(m, r, [p_at[mx][0] for mx in names])
+            "length": padded,
+            "batches": [(m, r, index([p_at[mx][0] for mx in names], m * r))
                         for (m, r), names in batches.items()],
-            "groups": {key: ([p_at[mx][0] for mx in g.seed_names],
-                             [hat_at[mx] for mx in g.seed_names])
-                       for key, g in self.groups.items()},
-            "device_index": {}}
+            "groups": groups}
         return self._layout_cache
-
-    def _index(self, name, starts: list, length: int, device) -> torch.Tensor:
-        """``[len(starts) * length]`` flat indices ``start + arange(length)``, cached."""
-        cache = self._layout()["device_index"]
-        key = (name, str(device))
-        if key not in cache:
-            base = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
-            cache[key] = (base + torch.arange(length)).reshape(-1).to(device)
-        return cache[key]
 
     def matrix_shapes(self) -> list:
         """``(n, m)`` of the bucket's whole matrices (the budget controller's view)."""
@@ -159,6 +166,11 @@ class ShardCompressor(BucketCompressor):
 
     # ------------------------------------------------------------------ sizes
 
+    def shares_factor(self) -> bool:
+        """Whether the bucket has a compressed matrix, so the first phase runs (the same
+        answer on every rank)."""
+        return self._layout()["length"] > 0
+
     def slice_numel(self) -> int:
         """Elements of this rank's slice of ``[L | flag]`` (the first phase across
         instances)."""
@@ -174,7 +186,7 @@ class ShardCompressor(BucketCompressor):
         """Bytes of every collective across instances, in order: the ``P`` slice (factor
         dtype), then the second phase's buffers as :meth:`_pack` makes them."""
         size = self._factor_size()
-        first = [self.slice_numel() * size]
+        first = [self.slice_numel() * size] if self.shares_factor() else []
         _, second = self.collective_numels()
         rows = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
         dense = second - 1 - rows
@@ -203,13 +215,12 @@ class ShardCompressor(BucketCompressor):
         :meth:`finish`."""
         assert len(grads) == len(self.entries)
         step = _Step(grads=list(grads))
-        device = grads[0].device
+        device = grads[0].device if grads else self.device   # a shard of bucket padding
         lay = self._layout()
         p_full = torch.zeros(lay["length"], device=device)
         step.dense = self._dense_parts(grads)
-        if step.dense:   # a NaN in the shard's dense rest: every rank of the bucket knows
-            finite = torch.stack([torch.isfinite(part).all() for part in step.dense]).all()
-            p_full[lay["flag_at"]] = finite.logical_not()
+        if step.dense and lay["length"]:   # a NaN in the dense rest: every rank knows
+            p_full[lay["flag_at"]] = torch.isfinite(torch.cat(step.dense)).all().logical_not()
         for key, g in self.groups.items():
             if g.q is None:
                 self._init_group(g, device)
@@ -221,8 +232,7 @@ class ShardCompressor(BucketCompressor):
                 for a, b in self._ef_slices(lo, hi, g):
                     view[a - lo:b - lo].add_(g.residual[a:b])
                 torch.bmm(view.transpose(1, 2), g.q[lo:hi], out=p[lo:hi])
-            p_full.index_copy_(0, self._index(("p", key), lay["groups"][key][0], g.m * r,
-                                              device), p.view(-1))
+            p_full.index_copy_(0, lay["groups"][key][0], p.view(-1))
         return p_full, step
 
     def to_send(self, own: torch.Tensor) -> torch.Tensor:
@@ -239,15 +249,14 @@ class ShardCompressor(BucketCompressor):
         device = p_full.device
         p_full = p_full.float()
         hats = []
-        for m, r, starts in lay["batches"]:
-            p = p_full[self._index(("batch", m, r), starts, m * r, device)]
-            hats.append(self.orthonormalize(p.view(len(starts), m, r)).reshape(-1))
+        for m, r, index in lay["batches"]:
+            p = p_full[index]
+            hats.append(self.orthonormalize(p.view(-1, m, r)).reshape(-1))
         p_hat_all = torch.cat(hats) if hats else p_full[:0]
         q_parts = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
-            p_hat = p_hat_all[self._index(("hat", key), lay["groups"][key][1], g.m * r,
-                                          device)].view(k, g.m, r)
+            p_hat = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
             step.p_hat[key] = p_hat
             q_local = torch.empty(k, g.n, r, device=device)
             for lo, hi, view in step.views[key]:
@@ -257,7 +266,9 @@ class ShardCompressor(BucketCompressor):
                 q_local.to(self.factor_dtype).float()
             q_parts.append(q_local.view(-1))
         # a non-finite P, or a shard's flag (summed into its slot): every rank sees both
-        p_bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
+        p_bad = None
+        if p_full.numel():
+            p_bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
         return self._pack(q_parts, step.dense, device, also_nonfinite=p_bad)
 
     def finish(self, step: _Step, reduced: Sequence[torch.Tensor]) -> None:

@@ -363,6 +363,8 @@ class DPGradientCompression:
         self._param_names: dict[str, list] = {}  # bucket key -> [(name, param)]
         self._cost_model: Optional[dict[str, tuple[float, float]]] = None  # bucket -> (a, b)
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
+        self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
+        self._agreed: dict = {}   # rank setting -> decisions agreed inside the instances
         self.seed = seed
         # buckets reduced over one replica: left to megatron-core unless validating
         self.compress_single_replica = compress_single_replica
@@ -440,22 +442,48 @@ class DPGradientCompression:
         if self._cost_model is None:
             self._cost_model = self._measure_cost_model()
         costs = {key: max(0.0, a + b * self.rank) for key, (a, b) in self._cost_model.items()}
-        dense = set()
+        dense, savings = set(), {}
         for key, comp in self.compressors.items():
+            info = self._group_of[key]
             _, second = comp.collective_bytes()
-            saving = compression_saving_s(self.links[self._group_of[key].process_group],
-                                          self._bucket_bytes[key],
-                                          comp.first_collectives(), second)
-            if saving <= costs[key]:
+            # the dense alternative: the bucket, or on the slow hop this rank's shard of it
+            savings[key] = compression_saving_s(self.links[info.process_group],
+                                                self._bucket_bytes[key] // info.intra_size,
+                                                comp.first_collectives(), second)
+            if savings[key] <= costs[key]:
                 dense.add(key)
-            else:
-                self.stats.predicted_saving_s += saving
+        dense = self._agree_inside_instances(dense)
+        for key in self.compressors:
+            if key not in dense:
+                self.stats.predicted_saving_s += savings[key]
                 self.stats.predicted_cost_s += costs[key]
         if dense != self.dense_keys:
             self.stats.events.append(
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.compressors)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s)")
         self.dense_keys = frozenset(dense)
+
+    def _agree_inside_instances(self, dense: set) -> frozenset:
+        """On the slow hop the ranks of an instance hold different shards, so their savings
+        and costs differ; but a compressed bucket also runs collectives inside the
+        instance, so every rank of it must decide alike: a bucket goes dense where any
+        rank of its instance would send it dense (MAX over the instance). The ranks
+        holding the same shard in other instances already agree (same bytes, costs and
+        link MAX-reduced over their group). Collectives once per rank setting (the
+        decisions depend on nothing else), outside the schedule."""
+        intra = {id(i.intra): i.intra for i in self._group_of.values() if i.slow_hop}
+        if not intra:
+            return frozenset(dense)
+        if self._rank_setting not in self._agreed:
+            agreed = set(dense)
+            device = next(iter(self.compressors.values())).device
+            for group in intra.values():
+                keys = sorted(k for k, i in self._group_of.items() if i.intra is group)
+                flags = torch.tensor([float(k in dense) for k in keys], device=device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+                agreed |= {k for k, f in zip(keys, flags.tolist()) if f > 0}
+            self._agreed[self._rank_setting] = frozenset(agreed)
+        return self._agreed[self._rank_setting]
 
     def _timed(self, fn) -> float:
         if torch.cuda.is_available():
@@ -556,6 +584,7 @@ class DPGradientCompression:
         else:
             shape_ranks = None
         self.rank = rank
+        self._rank_setting = (rank, tuple(sorted((shape_ranks or {}).items())))
         if rank is not None:
             for comp in self.compressors.values():
                 comp.set_rank(rank, shape_ranks)
@@ -715,15 +744,17 @@ class DPGradientCompression:
         t0 = stats.clock.stamp()
         p_full, step = comp.start(grads)
         stats.add_time("compress_s", t0)
-        t0 = stats.clock.stamp()
-        own = p_full.new_empty(p_full.numel() // info.intra_size)
-        dist.reduce_scatter_tensor(own, p_full, group=info.intra)
-        stats.add_bytes(p_full.numel() * p_full.element_size(), 0, info.expert)
-        sent = comp.to_send(own)
-        handle = dist.all_reduce(sent, group=info.process_group, async_op=async_op)
-        stats.add_time("comm_s", t0)
-        stats.add_bytes(sent.numel() * sent.element_size(), dense_bytes, info.expert,
-                        slow_hop=True)
+        sent = handle = None
+        if comp.shares_factor():   # the same answer on every rank
+            t0 = stats.clock.stamp()
+            own = p_full.new_empty(p_full.numel() // info.intra_size)
+            dist.reduce_scatter_tensor(own, p_full, group=info.intra)
+            stats.add_bytes(p_full.numel() * p_full.element_size(), 0, info.expert)
+            sent = comp.to_send(own)
+            handle = dist.all_reduce(sent, group=info.process_group, async_op=async_op)
+            stats.add_time("comm_s", t0)
+        stats.add_bytes(0 if sent is None else sent.numel() * sent.element_size(),
+                        dense_bytes, info.expert, slow_hop=True)
         return step, sent, handle
 
     def _slow_hop_middle(self, comp: ShardCompressor, step, sent, info: _GroupInfo) -> tuple:
@@ -732,9 +763,12 @@ class DPGradientCompression:
         Returns ``(buffers, handles)``."""
         stats = self.stats
         t0 = stats.clock.stamp()
-        p_full = sent.new_empty(sent.numel() * info.intra_size)
-        dist.all_gather_into_tensor(p_full, sent, group=info.intra)
-        stats.add_bytes(sent.numel() * sent.element_size(), 0, info.expert)
+        if sent is None:   # no compressed matrix in the bucket: only the dense rest goes
+            p_full = torch.empty(0, device=comp.device)
+        else:
+            p_full = sent.new_empty(sent.numel() * info.intra_size)
+            dist.all_gather_into_tensor(p_full, sent, group=info.intra)
+            stats.add_bytes(sent.numel() * sent.element_size(), 0, info.expert)
         stats.add_time("comm_s", t0)
         t0 = stats.clock.stamp()
         bufs = comp.middle(step, p_full)
