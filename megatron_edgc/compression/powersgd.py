@@ -597,29 +597,37 @@ class BucketCompressor:
         """
         bad = step.nonfinite
         for key, g, q in self._summed_qs(reduced_q, bad):
-            p_hat, q_sent = step.p_hat[key], step.q_sent[key]
-            energy = None
-            for lo, hi, view in step.views[key]:
-                if self.track_spectrum:  # ‖M‖², before M becomes the residual
-                    part = torch.linalg.vector_norm(view).double() ** 2
-                    energy = part if energy is None else energy + part
-                view.baddbmm_(p_hat[lo:hi], q_sent[lo:hi].transpose(1, 2), alpha=-1)
-                for a, b in self._ef_slices(lo, hi, g):
-                    if self.ef_dtype == torch.float32:
-                        torch.where(bad, g.residual[a:b], view[a - lo:b - lo],
-                                    out=g.residual[a:b])
-                    else:
-                        g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
-                                                          view[a - lo:b - lo]))
-                view.baddbmm_(p_hat[lo:hi], q[lo:hi].transpose(1, 2), beta=0)
-            if step.copied[key]:  # gradients not fp32: write the stacked result back
-                (_, _, stacked), = step.views[key]
-                for j, i in enumerate(g.indices):
-                    step.grads[i].copy_(stacked[j])
-            if self.track_spectrum:
-                self._add_spectrum(key, energy, step.q_local[key], bad)
+            p_hat = step.p_hat[key]
+            self._finish_group(key, g, step, bad, (p_hat, step.q_sent[key]), (p_hat, q), key)
             g.q = torch.where(bad, g.q, q)
-            step.views[key] = None
+
+    def _finish_group(self, key, g: ShapeGroup, step: _Step, bad: torch.Tensor,
+                      sent: tuple, result: tuple, spectrum_key) -> None:
+        """One group's end of a step, in the gradient buffer (which holds ``M``), per run
+        of matrices: ``M -= A Bᵀ`` with ``(A, B) = sent`` (the new residual), selected into
+        ``E`` where ``bad`` is not set, then ``C Dᵀ`` with ``(C, D) = result`` written over
+        it; a stacked copy written back; the spectrum under ``spectrum_key``."""
+        energy = None
+        for lo, hi, view in step.views[key]:
+            if self.track_spectrum:  # ‖M‖², before M becomes the residual
+                part = torch.linalg.vector_norm(view).double() ** 2
+                energy = part if energy is None else energy + part
+            view.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
+            for a, b in self._ef_slices(lo, hi, g):
+                if self.ef_dtype == torch.float32:
+                    torch.where(bad, g.residual[a:b], view[a - lo:b - lo],
+                                out=g.residual[a:b])
+                else:
+                    g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
+                                                      view[a - lo:b - lo]))
+            view.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
+        if step.copied[key]:  # gradients not fp32: write the stacked result back
+            (_, _, stacked), = step.views[key]
+            for j, i in enumerate(g.indices):
+                step.grads[i].copy_(stacked[j])
+        if self.track_spectrum:
+            self._add_spectrum(spectrum_key, energy, step.q_local[key], bad)
+        step.views[key] = None
 
     def _summed_qs(self, reduced_q: torch.Tensor, bad: torch.Tensor):
         """``(key, group, Q [k, m, r] fp32)`` per group from the reduced Q buffer; ``Q`` is a

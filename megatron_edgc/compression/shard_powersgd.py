@@ -201,11 +201,6 @@ class ShardCompressor(BucketCompressor):
         lists them), none in a separate second phase."""
         return sum(self.first_collectives()), 0
 
-    def fast_hop_numels(self) -> tuple[int, int]:
-        """Inside the instance: the ``[L | flag]`` reduce-scatter's input and the
-        all-gather's."""
-        return self._layout()["length"], self.slice_numel()
-
     # ------------------------------------------------------------------ one step
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, _Step]:
@@ -284,31 +279,12 @@ class ShardCompressor(BucketCompressor):
             q = q_buf[offset:offset + k * g.n * r].view(k, g.n, r).float()
             offset += k * g.n * r
             q = q.masked_fill(bad, float("nan"))
-            p_hat, q_sent = step.p_hat[key], step.q_sent[key]
-            energy = None
-            for lo, hi, view in step.views[key]:
-                if self.track_spectrum:
-                    part = torch.linalg.vector_norm(view).double() ** 2
-                    energy = part if energy is None else energy + part
-                view.baddbmm_(q_sent[lo:hi], p_hat[lo:hi].transpose(1, 2), alpha=-1)
-                for a, b in self._ef_slices(lo, hi, g):
-                    if self.ef_dtype == torch.float32:
-                        torch.where(bad, g.residual[a:b], view[a - lo:b - lo],
-                                    out=g.residual[a:b])
-                    else:
-                        g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
-                                                          view[a - lo:b - lo]))
-                view.baddbmm_(q[lo:hi], p_hat[lo:hi].transpose(1, 2), beta=0)
-            if step.copied[key]:
-                (_, _, stacked), = step.views[key]
-                for j, i in enumerate(g.indices):
-                    step.grads[i].copy_(stacked[j])
-            if self.track_spectrum:
-                # column j of Q_b' = M_b p^_j: its energy summed over the blocks is the
-                # instance's ‖M_t p^_j‖²
-                self._add_spectrum((g.full_n, g.m), energy, step.q_local[key], bad)
+            p_hat = step.p_hat[key]
+            # the spectrum: column j of Q_b' = M_b p^_j, its energy summed over the blocks
+            # is the instance's ‖M_t p^_j‖²
+            self._finish_group(key, g, step, bad, (step.q_sent[key], p_hat), (q, p_hat),
+                               (g.full_n, g.m))
             g.q = torch.where(bad, g.q, q)
-            step.views[key] = None
         split = len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.groups)
         dense_buf = reduced[-1]
         if split:
