@@ -34,7 +34,7 @@ class BeforeBucketCompressor(BucketCompressor):
         """``M = stack(G) + E``: a new fp32 ``[k, n, m]`` tensor (the second copy)."""
         m = torch.stack([grads[i].float() for i in g.indices])
         m += g.residual
-        step.views[key], step.copied[key] = [(0, len(g.indices), m)], False
+        step.views[key] = [(0, len(g.indices), m)]
         return torch.bmm(m, g.q)
 
     def finish(self, step, reduced_q: torch.Tensor) -> None:

@@ -312,11 +312,11 @@ def test_bf16_overflow_is_flagged_non_finite():
     assert torch.equal(comp.groups[(64, 48)].residual, torch.zeros(1, 64, 48))
 
 
-def flat_bucket(entries, layers=1, pad=0):
-    """Views of one flat fp32 buffer laid out as Megatron's: the entries repeated per layer,
-    each layer at the same offsets, ``pad`` elements after each matrix."""
+def flat_bucket(entries, layers=1, pad=0, dtype=torch.float32):
+    """Views of one flat buffer (``dtype``) laid out as Megatron's: the entries repeated
+    per layer, each layer at the same offsets, ``pad`` elements after each matrix."""
     sizes = [n * m for _, (n, m) in entries]
-    buf = torch.zeros(layers * sum(s + pad for s in sizes))
+    buf = torch.zeros(layers * sum(s + pad for s in sizes), dtype=dtype)
     views, off = [], 0
     for _ in range(layers):
         for (_, (n, m)), size in zip(entries, sizes):
@@ -465,12 +465,17 @@ def _rss_mib(field):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc only")
-@pytest.mark.parametrize("ef_dtype", [torch.float32, torch.bfloat16])
-def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype):
+@pytest.mark.parametrize("ef_dtype,grad_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32-ef", "bf16-ef", "fp32-ef-bf16-grads", "bf16-ef-bf16-grads"])
+def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, grad_dtype):
     """A step's transient memory (peak resident set minus what stays between steps) is
     at most the factors and collective buffers + a workspace of max(64 MiB, 5 % of the
-    residual): no second copy of the gradients. Measured with the kernel's peak-RSS
-    reset (/proc/self/clear_refs); a residual-sized allocation is seen by the same probe."""
+    residual): no second copy of the gradients, also on bf16 gradient buffers
+    (``--grad-reduce-in-bf16``: ``M`` formed in fp32 slices, no stacked fp32 copy).
+    Measured with the kernel's peak-RSS reset (/proc/self/clear_refs); a residual-sized
+    allocation is seen by the same probe."""
     from bench.step_phases import release_freed_heap
 
     torch.set_num_threads(1)
@@ -478,7 +483,7 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype):
     layers = 96 if ef_dtype == torch.float32 else 160   # a residual of 288 / 240 MiB
     entries = [(f"l{i}.{name}", s) for i in range(layers) for name, s in layer]
     comp = BucketCompressor(entries, 8, seed=0, ef_dtype=ef_dtype)
-    _, grads = flat_bucket(layer, layers=layers)
+    _, grads = flat_bucket(layer, layers=layers, dtype=grad_dtype)
     for g in grads:
         g.normal_()
     simulated_step([comp], [grads])
@@ -533,3 +538,82 @@ def test_bf16_error_feedback_halves_the_state_and_round_trips():
         res = fresh.groups[(64, 96)].residual
         assert res.dtype == dtype
         assert torch.equal(res.float(), src.groups[(64, 96)].residual.float().to(dtype).float())
+
+
+#: bf16's unit roundoff (8 significant bits, round to nearest): |bf16(x) - x| <= 2⁻⁸ |x|.
+BF16_ROUNDOFF = 2.0 ** -8
+
+
+def test_bf16_gradient_buffers_conserve_to_the_one_rounding_of_the_result():
+    """On bf16 gradient buffers the products and the residual are the fp32 ones: over
+    three steps, ``Σ_i E_i + Ĝ = Σ_i (G_i + E_i_before)`` element-wise to bf16's roundoff
+    of the result, ``|Ĝ - M^| <= 2⁻⁸ |M^|``, and not better (the one rounding is real);
+    every rank writes the same bits, and the residual is what an fp32 buffer gives."""
+    world, r = 3, 4
+    entries = [("w1", (64, 96)), ("w2", (64, 96)), ("w3", (96, 64)), ("b", (1, 64))]
+    comps = {dt: [BucketCompressor(entries, r, seed=3) for _ in range(world)]
+             for dt in (torch.bfloat16, torch.float32)}
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        inputs = [[torch.randn(*s, generator=gen).bfloat16() for _, s in entries]
+                  for _ in range(world)]
+        before = {dt: [{key: g.residual.clone() if g.residual is not None else None
+                        for key, g in c.groups.items()} for c in cs]
+                  for dt, cs in comps.items()}
+        out = {}
+        for dt, cs in comps.items():
+            grads = [[t.to(dt, copy=True) for t in gs] for gs in inputs]
+            simulated_step(cs, grads)
+            out[dt] = grads
+        b16, f32 = out[torch.bfloat16], out[torch.float32]
+        for rk in range(1, world):
+            assert all(torch.equal(a, b) for a, b in zip(b16[0], b16[rk]))
+        worst = 0.0
+        for key, g in comps[torch.bfloat16][0].groups.items():
+            for j, i in enumerate(g.indices):
+                total_in = sum(inputs[rk][i].float() + (before[torch.bfloat16][rk][key][j]
+                               if before[torch.bfloat16][rk][key] is not None else 0)
+                               for rk in range(world))
+                total_res = sum(c.groups[key].residual[j] for c in comps[torch.bfloat16])
+                exact = f32[0][i]       # M^ of the same step on an fp32 buffer
+                err = (b16[0][i].float() + total_res - total_in).abs()
+                bound = BF16_ROUNDOFF * exact.abs() + 1e-5 * total_in.abs().max()
+                assert (err <= bound).all(), (err - bound).max()
+                worst = max(worst, (err / exact.abs().clamp_min(1e-3)).max().item())
+                assert torch.equal(b16[0][i], exact.bfloat16())  # rounded once, from fp32
+        assert worst > BF16_ROUNDOFF / 8      # the rounding shows: the bound is not vacuous
+        for key in comps[torch.float32][0].groups:   # the same state as on fp32 buffers
+            for cb, cf in zip(comps[torch.bfloat16], comps[torch.float32]):
+                assert torch.allclose(cb.groups[key].residual, cf.groups[key].residual,
+                                      atol=1e-5)
+
+
+def test_bf16_gradient_buffers_at_full_rank_equal_the_dense_bf16_reduction():
+    """Full rank on bf16 buffers: the result is the fp32 sum rounded once to bf16 (to
+    one ulp: P^ Qᵀ is the sum to fp32 rounding), at least as close to the exact sum as
+    a dense bf16 ring reduction (rounded at every hop), and nothing is left in ``E``."""
+    n, m, world = 48, 80, 4
+    entries = [("a", (n, m)), ("b", (n, m)), ("bias", (1, n))]
+    comps = [BucketCompressor(entries, n, compress_all=True, seed=7) for _ in range(world)]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        grads = [[torch.randn(*s, generator=gen).bfloat16() for _, s in entries]
+                 for _ in range(world)]
+        exact = [sum(grads[rk][i].float() for rk in range(world)) for i in range(len(entries))]
+        grads_in = [[t.clone() for t in gs] for gs in grads]
+        ring = [grads[0][i].clone() for i in range(len(entries))]
+        for rk in range(1, world):        # a bf16 reduction: every partial sum rounded
+            ring = [a + grads[rk][i] for i, a in enumerate(ring)]
+        simulated_step(comps, grads)
+        for i, ex in enumerate(exact):
+            got = grads[0][i].float()
+            assert got.dtype == torch.float32 and grads[0][i].dtype == torch.bfloat16
+            ulp = BF16_ROUNDOFF * 2 * ex.abs() + 1e-5 * ex.abs().max()
+            assert ((got - ex.bfloat16().float()).abs() <= ulp).all()
+            assert (got - ex).norm() <= (ring[i].float() - ex).norm() + 1e-6
+            # a bf16 reduction's own error bound: one rounding per hop of its partial sums
+            hops = world * BF16_ROUNDOFF * sum(grads_in[rk][i].float().abs()
+                                               for rk in range(world))
+            assert ((ring[i].float() - got).abs() <= hops + ulp).all()
+        for c in comps:
+            assert c.groups[(n, m)].residual.abs().max() < 1e-4

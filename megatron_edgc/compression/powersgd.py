@@ -29,7 +29,12 @@ Megatron's buffer where every layer has the same layout, make one view), so ever
 is one batched call per shape group, with no ``[k, n, m]`` temporary. What a step
 allocates is the factors (``P``, ``P^``, ``Q``: ``k (n + m) r`` each), the collective
 buffers and ``[k, r, r]`` Gram matrices (``tests/test_powersgd.py`` measures it).
-Gradients in another dtype than fp32, or not contiguous, take a stacked fp32 copy.
+
+Gradients in bf16 (``--grad-reduce-in-bf16``) keep ``G`` in their buffer until the end:
+each phase forms ``M = float(G) + E`` in fp32 slices of at most :attr:`workspace_bytes`,
+so the products and the residual are the fp32 ones and only the result written back is
+rounded to bf16. Conservation then holds to that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i``
+up to ``|Ĝ - M^| <= 2⁻⁸ |M^|`` element-wise (bf16's unit roundoff; fp32 rounding apart).
 
 With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
 and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
@@ -247,8 +252,7 @@ class _Step:
     """What travels from :meth:`start` to :meth:`finish` within one step."""
 
     grads: list
-    views: dict = field(default_factory=dict)  # group key -> [(lo, hi, M view), ...]
-    copied: dict = field(default_factory=dict)  # group key -> True: views are a copy
+    views: dict = field(default_factory=dict)  # group key -> [(lo, hi, gradients view), ...]
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal P [k, n, r]
     q_local: dict = field(default_factory=dict)  # group key -> M^T P^ [k, m, r]
     # (shard_powersgd, PowerSGD of Mᵀ: P^ is [k, m, r] and q_local M P^ [k, n, r])
@@ -448,42 +452,77 @@ class BucketCompressor:
         g.q = self._seeded(g, "init", r).to(device)
         g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=self.ef_dtype, device=device)
 
-    def _views(self, g: ShapeGroup, grads: Sequence[torch.Tensor]) -> tuple[list, bool]:
-        """``([(lo, hi, view [hi - lo, n, m])...], copied)``: the group's gradients as
-        strided views of their buffer, or (not fp32, not contiguous) one stacked fp32
-        copy that :meth:`finish` writes back."""
+    def _views(self, g: ShapeGroup, grads: Sequence[torch.Tensor]) -> list:
+        """``[(lo, hi, view [hi - lo, n, m])...]``: the group's gradients as strided views
+        of their buffer, in the gradients' dtype (:func:`strided_runs`; a matrix that is
+        not contiguous is a run of its own, ``[1, n, m]``). No copy."""
         mats = [grads[i] for i in g.indices]
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in mats):
-            return [(0, len(mats), torch.stack([t.float() for t in mats]))], True
+        if not all(t.is_contiguous() for t in mats):
+            return [(j, j + 1, t.unsqueeze(0)) for j, t in enumerate(mats)]
         key = tuple(t.data_ptr() for t in mats)
         if key != g.runs_key:
             g.runs_key, g.runs = key, strided_runs(mats, g.n, g.m)
         return [(lo, hi, run_view(mats[lo], hi - lo, step, g.n, g.m))
-                for lo, hi, step in g.runs], False
+                for lo, hi, step in g.runs]
 
-    def _ef_slices(self, lo: int, hi: int, g: ShapeGroup) -> list:
-        """``[(lo, hi)]`` covering a run: the whole run for an fp32 residual; for another
-        residual dtype, slices whose fp32 temporaries (a cast copy of the residual, the
-        selected result) stay within :attr:`workspace_bytes` (mixed-dtype elementwise ops
+    def _ef_slices(self, lo: int, hi: int, g: ShapeGroup, temporaries: int = 2) -> list:
+        """``[(lo, hi)]`` covering a run: the whole run when nothing needs an fp32
+        temporary (fp32 residual on fp32 gradients, ``temporaries=0``); otherwise slices
+        whose ``temporaries`` fp32 copies of a slice (a cast residual, a selected result, a
+        slice's ``M``) stay within :attr:`workspace_bytes` (mixed-dtype elementwise ops
         make a cast copy of their input on CPU; one matrix is the least a slice holds)."""
-        if self.ef_dtype == torch.float32:
+        if not temporaries:
             return [(lo, hi)]
-        per = max(1, self.workspace_bytes // (2 * g.n * g.m * 4))  # two fp32 temporaries
+        per = max(1, self.workspace_bytes // (temporaries * g.n * g.m * 4))
         return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
 
-    #: Bound on the temporaries of mixed-dtype error feedback (see :meth:`_ef_slices`).
+    #: Bound on the fp32 temporaries of a step: the mixed-dtype error feedback
+    #: (:meth:`_ef_slices`) and the slices of ``M`` formed from low-precision gradients.
     workspace_bytes = 64 << 20
+
+    def _ef_temporaries(self) -> int:
+        """fp32 temporaries the residual's dtype adds per slice (a cast copy, a result),
+        counted twice: slices take half the workspace, the rest is the allocator's slack
+        (at a full workspace the peak crossed the bound in 1 run of 6)."""
+        return 0 if self.ef_dtype == torch.float32 else 4
+
+    def _form_in_place(self, g: ShapeGroup, views: list) -> None:
+        """``G += E`` in the fp32 runs (they hold ``M`` from here to :meth:`finish`); runs in
+        another dtype keep ``G``, their ``M`` is formed slice by slice (:meth:`_m_blocks`)."""
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                for a, b in self._ef_slices(lo, hi, g, self._ef_temporaries()):
+                    view[a - lo:b - lo].add_(g.residual[a:b])
+
+    def _m_blocks(self, g: ShapeGroup, views: list):
+        """``(a, b, M, target)`` over the group's matrices: ``M`` ([b - a, n, m], fp32) of
+        matrices ``a..b``. An fp32 run holds ``M`` itself (``target`` None: results go in
+        place). A run in another dtype (bf16 gradient buffers, ``--grad-reduce-in-bf16``)
+        gives ``M = float(G) + E`` per slice within :attr:`workspace_bytes`, and ``target``,
+        the gradients' slice that takes the result: ``M`` is never rounded to the
+        gradients' dtype, so the products and the residual are the fp32 ones, and only the
+        result written back is rounded. Each phase forms it again (one more read of ``G``
+        and ``E`` per phase) instead of holding a copy of the gradients."""
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                yield lo, hi, view, None
+                continue
+            # two slices of M live at once (the caller holds the last one while the next
+            # forms), kept to half the workspace: the rest is the allocator's slack
+            for a, b in self._ef_slices(lo, hi, g, 4 + self._ef_temporaries()):
+                target = view[a - lo:b - lo]
+                m = target.float()
+                m.add_(g.residual[a:b])
+                yield a, b, m, target
 
     def _form_m_and_p(self, key, g: ShapeGroup, grads, step: _Step) -> torch.Tensor:
         """``G += E`` in the group's gradients and ``P = M Q`` ([k, n, r], fp32); records
         the views ``M`` is held in for :meth:`middle` and :meth:`finish`."""
-        views, copied = self._views(g, grads)
-        step.views[key], step.copied[key] = views, copied
+        views = step.views[key] = self._views(g, grads)
+        self._form_in_place(g, views)
         p = torch.empty(len(g.indices), g.n, g.q.shape[2], device=g.q.device)
-        for lo, hi, view in views:
-            for a, b in self._ef_slices(lo, hi, g):
-                view[a - lo:b - lo].add_(g.residual[a:b])
-            torch.bmm(view, g.q[lo:hi], out=p[lo:hi])
+        for a, b, m, _ in self._m_blocks(g, views):
+            torch.bmm(m, g.q[a:b], out=p[a:b])
         return p
 
     #: The orthonormalization of the summed P (``bench/step_before.py`` swaps in the old).
@@ -559,8 +598,8 @@ class BucketCompressor:
             p_hat = self.orthonormalize(p)
             step.p_hat[key] = p_hat
             q_local = torch.empty(k, g.m, r, device=p_hat.device)
-            for lo, hi, view in step.views[key]:
-                torch.bmm(view.transpose(1, 2), p_hat[lo:hi], out=q_local[lo:hi])
+            for a, b, m, _ in self._m_blocks(g, step.views[key]):
+                torch.bmm(m.transpose(1, 2), p_hat[a:b], out=q_local[a:b])
             step.q_local[key] = q_local
             if self.factor_dtype == torch.float32:
                 step.q_sent[key] = q_local
@@ -606,25 +645,23 @@ class BucketCompressor:
         """One group's end of a step, in the gradient buffer (which holds ``M``), per run
         of matrices: ``M -= A Bᵀ`` with ``(A, B) = sent`` (the new residual), selected into
         ``E`` where ``bad`` is not set, then ``C Dᵀ`` with ``(C, D) = result`` written over
-        it; a stacked copy written back; the spectrum under ``spectrum_key``."""
+        it (in the gradients' dtype); the spectrum under ``spectrum_key``."""
         energy = None
-        for lo, hi, view in step.views[key]:
+        ef_temps = self._ef_temporaries()
+        for lo, hi, m, target in self._m_blocks(g, step.views[key]):
             if self.track_spectrum:  # ‖M‖², before M becomes the residual
-                part = torch.linalg.vector_norm(view).double() ** 2
+                part = torch.linalg.vector_norm(m).double() ** 2
                 energy = part if energy is None else energy + part
-            view.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
-            for a, b in self._ef_slices(lo, hi, g):
+            m.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
+            for a, b in self._ef_slices(lo, hi, g, ef_temps if target is None else 0):
                 if self.ef_dtype == torch.float32:
-                    torch.where(bad, g.residual[a:b], view[a - lo:b - lo],
-                                out=g.residual[a:b])
+                    torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
                 else:
                     g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
-                                                      view[a - lo:b - lo]))
-            view.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
-        if step.copied[key]:  # gradients not fp32: write the stacked result back
-            (_, _, stacked), = step.views[key]
-            for j, i in enumerate(g.indices):
-                step.grads[i].copy_(stacked[j])
+                                                      m[a - lo:b - lo]))
+            m.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
+            if target is not None:  # the one rounding of a low-precision buffer
+                target.copy_(m)
         if self.track_spectrum:
             self._add_spectrum(spectrum_key, energy, step.q_local[key], bad)
         step.views[key] = None
@@ -671,14 +708,11 @@ class BucketCompressor:
         for g in self.groups.values():
             if g.residual is None:
                 continue
-            views, copied = self._views(g, grads)
-            if copied:
-                for j, i in enumerate(g.indices):
-                    grads[i].add_(g.residual[j].to(grads[i].dtype))
-            else:
-                for lo, hi, view in views:
-                    for a, b in self._ef_slices(lo, hi, g):
-                        view[a - lo:b - lo].add_(g.residual[a:b])
+            views = self._views(g, grads)
+            self._form_in_place(g, views)
+            for _, _, m, target in self._m_blocks(g, views):
+                if target is not None:
+                    target.copy_(m)
             g.residual.zero_()
         for i, (name, _) in enumerate(self.entries):
             if name in self._pending_flush:

@@ -220,13 +220,11 @@ class ShardCompressor(BucketCompressor):
             if g.q is None:
                 self._init_group(g, device)
             k, r = len(g.indices), self._rank_for(g)
-            views, copied = self._views(g, grads)
-            step.views[key], step.copied[key] = views, copied
+            views = step.views[key] = self._views(g, grads)
+            self._form_in_place(g, views)
             p = torch.empty(k, g.m, r, device=device)
-            for lo, hi, view in views:
-                for a, b in self._ef_slices(lo, hi, g):
-                    view[a - lo:b - lo].add_(g.residual[a:b])
-                torch.bmm(view.transpose(1, 2), g.q[lo:hi], out=p[lo:hi])
+            for a, b, m, _ in self._m_blocks(g, views):
+                torch.bmm(m.transpose(1, 2), g.q[a:b], out=p[a:b])
             p_full.index_copy_(0, lay["groups"][key][0], p.view(-1))
         return p_full, step
 
@@ -254,8 +252,8 @@ class ShardCompressor(BucketCompressor):
             p_hat = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
             step.p_hat[key] = p_hat
             q_local = torch.empty(k, g.n, r, device=device)
-            for lo, hi, view in step.views[key]:
-                torch.bmm(view, p_hat[lo:hi], out=q_local[lo:hi])
+            for a, b, m, _ in self._m_blocks(g, step.views[key]):
+                torch.bmm(m, p_hat[a:b], out=q_local[a:b])
             step.q_local[key] = q_local
             step.q_sent[key] = q_local if self.factor_dtype == torch.float32 else \
                 q_local.to(self.factor_dtype).float()
