@@ -228,6 +228,10 @@ class TrainingConfig:
     adam_eps: float = knob(1e-8, "Adam epsilon", min=0.0, min_exclusive=True)
     seed: int = knob(1234, "random seed (model init, dropout, data order)", min=0)
     bf16: Optional[bool] = knob(None, "bf16 mixed precision (default: on with CUDA, off on CPU)")
+    grad_reduce_in_bf16: bool = knob(
+        False, "keep and reduce the gradients in bf16, as Megatron-LM's --grad-reduce-in-bf16 "
+               "(megatron-core grad_reduce_in_fp32=False): half the dense bytes; needs --bf16. "
+               "EDGC compresses the bf16 buffers with fp32 math")
 
     def resolve(self) -> None:
         if self.lr_decay_iters is None:
@@ -566,6 +570,15 @@ class RunConfig:
     allow_untested_megatron: bool = False
 
     @property
+    def bf16_resolved(self) -> bool:
+        """``--bf16`` as the run takes it: unset means on with CUDA, off without."""
+        if self.training.bf16 is not None:
+            return self.training.bf16
+        import torch
+
+        return torch.cuda.is_available()
+
+    @property
     def num_microbatches(self) -> int:
         return self.training.global_batch_size // (
             self.training.micro_batch_size * self.parallel.data_parallel_size)
@@ -646,6 +659,10 @@ class RunConfig:
         if self.edgc.pp_compression != "off" and pp < 2:
             raise ConfigError("--edgc-pp-compression", f"compresses pipeline sends: needs "
                                                        f"--pipeline-model-parallel-size >= 2, got {pp}")
+        if t.grad_reduce_in_bf16 and not self.bf16_resolved:
+            raise ConfigError("--grad-reduce-in-bf16", "reduces the bf16 gradients of bf16 "
+                                                       "mixed precision: needs --bf16 (off by "
+                                                       "default without CUDA)")
         if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
             raise ConfigError("--bucket-size", "must be >= 1")
         self._check_compression_ranks()

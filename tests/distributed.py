@@ -36,6 +36,8 @@ def run_job(argv, out_dir, timeout=600):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "job_runner.py"), out_dir, *argv],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(os.path.join(out_dir, "stdout.txt"), "w") as fh:   # the job's own lines
+        fh.write(proc.stdout)
     files = sorted(f for f in os.listdir(out_dir) if f.startswith("rank"))
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(len(files))]

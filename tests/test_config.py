@@ -105,6 +105,7 @@ def test_world_size_from_launcher(small_model_argv):
      "must be divisible by --expert-model-parallel-size (4); got 6", None),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk",
      "must be <= --num-experts (4), got 5", None),
+    (["--no-bf16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16", "needs --bf16", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)

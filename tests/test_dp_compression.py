@@ -72,6 +72,35 @@ def test_static_rank_trains_with_bytes_from_shapes(layout, small_model_argv, tmp
             sum(math.prod(s) for s in predicted[r["pp"]])
 
 
+def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buffers(
+        small_model_argv, tmp_path):
+    """``--bf16 --grad-reduce-in-bf16`` (Megatron-LM's flag): the dense sync carries half
+    the bytes of the fp32 reduce, and PowerSGD on those bf16 buffers (no fp32 copy of them)
+    sends the bytes its shapes give, keeps the DP replicas bit-identical, and ends within
+    0.1 nats of the dense bf16 run's loss; its start-up line names the gradient dtype."""
+    layout = LAYOUTS["tp1-pp2-dp2"] + ["--bf16"]
+    runs = {}
+    for name, flags in (("fp32-reduce", ["--edgc-mode", "off"]),
+                        ("bf16-reduce", ["--edgc-mode", "off", "--grad-reduce-in-bf16"]),
+                        ("static", ["--grad-reduce-in-bf16", "--edgc-mode", "static",
+                                    "--edgc-rank", str(RANK)])):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        results = run_job(small_model_argv + layout + flags + ["--metrics-file", metrics],
+                          str(tmp_path / name))
+        runs[name] = (results, read_jsonl(metrics))
+    fp32_bytes = runs["fp32-reduce"][1][-1]["dp_bytes_sent_job"]
+    assert runs["bf16-reduce"][1][-1]["dp_bytes_sent_job"] * 2 == fp32_bytes
+    results, records = runs["static"]
+    assert assert_dp_replicas_identical(results) > 0
+    logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
+    assert all(rec["dp_bytes_sent"] == expected_bytes(logger, RANK) for rec in records)
+    assert all(rec["rank_dp"] == [RANK, RANK] for rec in records)
+    dense_loss = runs["bf16-reduce"][1][-1]["val_loss"]
+    assert records[-1]["val_loss"] < records[0]["loss"] - 1.0
+    assert abs(records[-1]["val_loss"] - dense_loss) < 0.1, (records[-1]["val_loss"], dense_loss)
+    assert "(bf16 gradients," in open(tmp_path / "static" / "stdout.txt").read()
+
+
 def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):
     """Mode off and a patched-but-dense run are bit-identical; compression starts at
     --edgc-start-iter and changes the trajectory from there on."""

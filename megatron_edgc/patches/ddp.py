@@ -566,7 +566,7 @@ class DPGradientCompression:
         """Random gradients laid out as bucket ``key``'s (views of one buffer at the same
         offsets), so the timed step takes the strided path the real one takes."""
         bucket = self._buckets[key]
-        scratch = torch.randn_like(bucket.grad_data, dtype=torch.float32)
+        scratch = torch.randn_like(bucket.grad_data)   # in the buffer's dtype, as the step
         return [scratch[o:o + shape[0] * shape[1]].view(shape)
                 for shape, o in self._matrices[key]]
 

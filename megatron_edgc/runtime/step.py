@@ -74,9 +74,12 @@ class EdgcRuntime:
                 f"; compressing the slow hop only: each rank's shard across {instances} "
                 f"distributed-optimizer instances, one factor per matrix per instance (the "
                 f"reduce-scatter inside an instance stays dense)")
+            grads = "/".join(sorted({str(b.grad_data.dtype).replace("torch.", "")
+                                     .replace("bfloat16", "bf16").replace("float32", "fp32")
+                                     for c in chunks for b in c.buffers}))
             self.log(f"EDGC: error-feedback state {self.dp_compression.state_bytes() / 2**20:.1f}"
-                     f" MiB per rank at rank {e.rank} ({e.ef_dtype} residual, "
-                     f"{e.factor_dtype} factors){hop}")
+                     f" MiB per rank at rank {e.rank} ({grads} gradients, {e.ef_dtype} "
+                     f"residual, {e.factor_dtype} factors){hop}")
             register_rank_state("dp_compression", self.dp_compression.state_dict,
                                 self.dp_compression.load_state_dict)
         # Stage timings (DAC, gradient-sync latency telemetry): stamps only, no numerics.

@@ -50,7 +50,7 @@ class Trainer:
         self.on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu \
             else torch.device("cpu")
-        self.bf16 = cfg.training.bf16 if cfg.training.bf16 is not None else self.on_gpu
+        self.bf16 = cfg.bf16_resolved
         p = cfg.parallel
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_model_parallel_size,
