@@ -22,7 +22,7 @@ the same layout), same data, seed and iterations:
   2026-11-23 run: half the bytes, the same ms/iter within the spread);
 * ``EDGC``: the entropy controller (windows scaled to the run) with the automatic bypass;
   ``EDGC overlap``: the same on overlapped buckets;
-* ``hook r_max``: PyTorch DDP + ``powerSGD_hook`` at r_max (bench/torch_ddp_powersgd.py).
+* ``hook r_max``: PyTorch DDP + ``powerSGD_hook`` at r_max (bench/torch_ddp_peers.py).
 
 Per run (iterations after the first 3): DP gradient-sync latency (last backward done →
 gradients ready, ``grad_sync_ms``), ms/iter, DP bytes per iteration (whole job), final
@@ -87,7 +87,7 @@ def modes(r_max: int, r_min: int, iters: int) -> dict:
         f"static r{r_min}": ("pretrain_gpt2_edgc.py", static + ["--edgc-rank", str(r_min)]),
         "EDGC": ("pretrain_gpt2_edgc.py", edgc + last_word),
         "EDGC overlap": ("pretrain_gpt2_edgc.py", edgc + overlap),
-        f"hook r{r_max}": ("bench/torch_ddp_powersgd.py", ["--hook-rank", str(r_max),
+        f"hook r{r_max}": ("bench/torch_ddp_peers.py", ["--hook-rank", str(r_max),
                                                             "--hook-start-iter", "2"]),
     }
 

@@ -1,22 +1,41 @@
 #!/usr/bin/env python
-"""The peer baseline: PyTorch's ``powerSGD_hook`` on ``torch.nn.parallel.DistributedDataParallel``.
+"""The peers a user of PyTorch DDP runs instead of EDGC, on the same model and data.
 
-    python bench/torch_ddp_powersgd.py --hook-rank 32 --data-parallel-size 4 \\
+    python bench/torch_ddp_peers.py --hook powersgd --hook-rank 32 --data-parallel-size 4 \
         --pipeline-model-parallel-size 1 [any pretrain_gpt2_edgc.py flag]
-    python bench/torch_ddp_powersgd.py --hook-rank 0 ...   # torch DDP, plain all-reduce
+    python bench/torch_ddp_peers.py --hook allreduce ...      # torch DDP, plain all-reduce
+    python bench/torch_ddp_peers.py --hook bf16 ...           # default_hooks.bf16_compress_hook
+    python bench/torch_ddp_peers.py --hook quantize ...       # quantization_perchannel_hook (uint8)
+    python bench/torch_ddp_peers.py --hook local-sgd --local-sgd-period 8 ...
+
+``--hook``: ``powersgd``: PyTorch's ``powerSGD_hook`` at ``--hook-rank`` (error feedback,
+warm start, ``--hook-start-iter`` iterations of plain all-reduce first, its minimum 2);
+``bf16``: ``bf16_compress_hook`` (half the bytes, all-reduce); ``quantize``:
+``quantization_perchannel_hook``'s algorithm (:func:`quantize_perchannel_hook`: uint8 per
+512-element channel plus an fp32 scale and zero point each, exchanged with all-gathers:
+every rank receives every other rank's payload);
+``local-sgd``: periodic averaging as PyTorch ships it, ``post_localSGD_hook`` with a
+subgroup of one rank (each DP rank steps alone: on a real cluster the subgroup is a site)
+after ``--hook-start-iter`` iterations of global all-reduce, and ``PostLocalSGDOptimizer``
+with a ``PeriodicModelAverager`` that all-reduces the parameters every
+``--local-sgd-period`` steps. ``--hook-rank 0`` (the old spelling) is ``allreduce``.
 
 Same model (megatron-core ``GPTModel``, same init seeds), same data stream, same loss,
 the same learning-rate schedule (megatron-core's ``OptimizerParamScheduler``) and Adam
 with decoupled weight decay on the same parameters (no decay on biases and norms), clipping
 at ``--clip-grad``: only the data-parallel engine differs. Pure DP layout (TP = PP = 1).
-PowerSGD as PyTorch ships it: error feedback, warm start, ``--hook-start-iter`` iterations of
-plain all-reduce first (its minimum is 2), ``min_compression_rate`` = ``--edgc-min-compression-rate``.
+Train it in fp32 (the CPU default) to compare with the trainer: with ``--bf16`` the
+parameters are bf16 and torch's AdamW steps them in bf16, without the fp32 main weights
+megatron-core keeps; ``torch.autocast`` instead fails in megatron-core's linear layers on
+CPU (their backward is a custom autograd function: "expected m1 and m2 to have the same
+dtype").
 
 Writes the same metrics JSONL and summary as ``pretrain_gpt2_edgc.py`` (iteration, loss,
 iter_ms, ``grad_sync_ms`` = last gradient bucket handed to the hook → DDP's backward
-returns with reduced gradients, ``dp_bytes_sent_job`` from the hook's own element counters,
-val loss), so the benchmark reads both alike. Launch as the trainer: plain (local
-processes), torchrun or srun.
+returns with reduced gradients, ``dp_bytes_sent_job`` = the payload the hooks put into
+collectives (PowerSGD's own counters, the bucket's bytes in its wire dtype, the averaged
+parameters), val loss), so the benchmarks read both alike. Launch as the trainer: plain
+(local processes), torchrun or srun.
 """
 
 from __future__ import annotations
@@ -32,12 +51,49 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-class TimedHook:
-    """Wraps a DDP comm hook: stamps each bucket's hand-over and counts the elements the
-    hook puts into collectives (PowerSGD's own counters; the bucket when it runs plain)."""
+HOOKS = ("powersgd", "allreduce", "bf16", "quantize", "local-sgd")
+CHANNEL = 512   # quantization_perchannel_hook's default bucket_size
 
-    def __init__(self, hook, state, powersgd: bool):
-        self.hook, self.state, self.powersgd = hook, state, powersgd
+
+def quantize_perchannel_hook(process_group, bucket):
+    """PyTorch's ``quantization_perchannel_hook``, the same algorithm written out: its own
+    callback fails on gloo with torch 2.13 (``IndexError: too many indices`` on the value of
+    its all-gather future). Per channel of 512 elements: min-max affine uint8 (scale and
+    zero point all-gathered first), the uint8 payloads all-gathered, each rank's dequantized
+    and summed locally; the mean is returned, as DDP's hooks do."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    flat = bucket.buffer()
+    pad = (-flat.numel()) % CHANNEL
+    chans = torch.nn.functional.pad(flat.float(), (0, pad)).view(-1, CHANNEL)
+    lo = chans.amin(dim=1).clamp(max=0.0)
+    hi = chans.amax(dim=1).clamp(min=0.0)
+    scale = ((hi - lo) / 255.0).clamp(min=1e-12)
+    zero = torch.round(-lo / scale)
+    sz = torch.stack([scale, zero])
+    all_sz = [torch.empty_like(sz) for _ in range(world)]
+    dist.all_gather(all_sz, sz, group=process_group)
+    q = torch.clamp(torch.round(chans / scale[:, None]) + zero[:, None], 0, 255).to(torch.uint8)
+    all_q = [torch.empty_like(q) for _ in range(world)]
+    dist.all_gather(all_q, q, group=process_group)
+    total = torch.zeros_like(chans)
+    for (s_r, z_r), q_r in zip(all_sz, all_q):
+        total += (q_r.float() - z_r[:, None]) * s_r[:, None]
+    out = (total.view(-1)[:flat.numel()] / world).to(flat.dtype)
+    fut = torch.futures.Future()
+    fut.set_result(out)
+    return fut
+
+
+class TimedHook:
+    """Wraps a DDP comm hook: stamps each bucket's hand-over and counts the payload the
+    hook puts into collectives (PowerSGD's own element counters; the bucket in its wire
+    dtype otherwise: fp32, bf16, or uint8 plus two fp32 per 512-element channel)."""
+
+    def __init__(self, hook, state, kind: str):
+        self.hook, self.state, self.kind = hook, state, kind
         self.last_ready = None
         self.bytes_sent = 0
 
@@ -47,12 +103,21 @@ class TimedHook:
 
     def __call__(self, state, bucket):
         self.last_ready = time.perf_counter()
-        before = state.total_numel_after_compression if self.powersgd else None
+        powersgd = self.kind == "powersgd"
+        before = state.total_numel_after_compression if powersgd else None
+        local = self.kind == "local-sgd" and state.iter >= state.start_localSGD_iter
         fut = self.hook(state, bucket)
         buf = bucket.buffer()
-        if self.powersgd and state.total_numel_after_compression != before:
+        if powersgd and state.total_numel_after_compression != before:
             self.bytes_sent += (state.total_numel_after_compression - before) * buf.element_size()
-        else:  # plain all-reduce (dense hook, or PowerSGD before its start iteration)
+        elif self.kind == "bf16":
+            self.bytes_sent += buf.numel() * 2
+        elif self.kind == "quantize":
+            channels = -(-buf.numel() // CHANNEL)
+            self.bytes_sent += channels * CHANNEL + channels * 2 * 4
+        elif local:
+            pass   # a subgroup of one rank: nothing leaves it
+        else:  # plain all-reduce (dense hook, PowerSGD/local SGD before their start)
             self.bytes_sent += buf.numel() * buf.element_size()
         return fut
 
@@ -64,7 +129,10 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import (default_hooks, post_localSGD_hook,
+                                                             powerSGD_hook)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     from megatron_edgc.model_shapes import padded_vocab_size
@@ -112,16 +180,26 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None,
                                       process_group=dp_group,
                                       bucket_cap_mb=bucket_elems * 4 / 2**20)
-        if opts.hook_rank > 0:
+        kind = opts.hook
+        if kind == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=dp_group, matrix_approximation_rank=opts.hook_rank,
                 start_powerSGD_iter=opts.hook_start_iter,
                 min_compression_rate=e.min_compression_rate, use_error_feedback=True,
                 warm_start=True, random_seed=t.seed)
-            hook = TimedHook(powerSGD_hook.powerSGD_hook, state, powersgd=True)
+            hook = TimedHook(powerSGD_hook.powerSGD_hook, state, kind)
+        elif kind == "local-sgd":
+            # each rank its own subgroup: between averagings nothing crosses the DP links
+            own, _ = dist.new_subgroups(group_size=1)
+            state = post_localSGD_hook.PostLocalSGDState(
+                process_group=dp_group, subgroup=own, start_localSGD_iter=opts.hook_start_iter)
+            hook = TimedHook(post_localSGD_hook.post_localSGD_hook, state, kind)
         else:
             state = dp_group
-            hook = TimedHook(default_hooks.allreduce_hook, state, powersgd=False)
+            hook = TimedHook({"allreduce": default_hooks.allreduce_hook,
+                              "bf16": default_hooks.bf16_compress_hook,
+                              "quantize": quantize_perchannel_hook}[kind],
+                             state, kind)
 
         def timed_hook(hook_state, bucket):  # DDP wants a function (it reads its names)
             return hook(hook_state, bucket)
@@ -133,6 +211,13 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
         optimizer = torch.optim.AdamW(
             [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}], lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        averager = None
+        if kind == "local-sgd":
+            averager = PeriodicModelAverager(period=opts.local_sgd_period,
+                                             warmup_steps=opts.hook_start_iter,
+                                             process_group=dp_group)
+            optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
@@ -192,6 +277,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                 torch.cuda.synchronize()
             ready = time.perf_counter()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            if averager is not None:   # this step() averages the parameters (all-reduce)?
+                step = averager.step
+                if step >= averager.warmup_steps and (step - averager.warmup_steps) \
+                        % averager.period == 0:
+                    hook.bytes_sent += param_bytes
             optimizer.step()
             scheduler.step(increment=1)
             if on_gpu:
@@ -207,7 +297,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       "grad_sync_ms": [(ready - hook.last_ready) * 1e3
                                        if hook.last_ready is not None else float("nan")],
                       "dp_bytes_sent_job": int(sent.item()),
-                      "rank_dp": [opts.hook_rank] if opts.hook_rank and
+                      "rank_dp": [opts.hook_rank] if kind == "powersgd" and
                       it >= opts.hook_start_iter else None}
             if (it + 1) % cfg.eval.eval_interval == 0 or it + 1 == t.train_iters:
                 val_loss = evaluate()
@@ -223,8 +313,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       flush=True)
         writer.close()
         summary = summarize(history, val_loss, time.perf_counter() - start, cfg)
-        summary["engine"] = (f"torch DDP + powerSGD_hook r{opts.hook_rank}" if opts.hook_rank
-                             else "torch DDP all-reduce")
+        summary["engine"] = {
+            "powersgd": f"torch DDP + powerSGD_hook r{opts.hook_rank}",
+            "allreduce": "torch DDP all-reduce", "bf16": "torch DDP + bf16_compress_hook",
+            "quantize": "torch DDP + quantization_perchannel_hook (uint8)",
+            "local-sgd": f"torch DDP + post-local SGD, average every {opts.local_sgd_period}"}[kind]
         if is_logger and cfg.logging.metrics_file:
             import json
 
@@ -242,18 +335,30 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, add_help=False,
                                 formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hook", default=None, choices=HOOKS,
+                   help="the DDP engine (default: powersgd, allreduce with --hook-rank 0)")
     p.add_argument("--hook-rank", type=int, default=32,
                    help="PowerSGD matrix_approximation_rank; 0: plain all-reduce hook")
     p.add_argument("--hook-start-iter", type=int, default=2,
-                   help="iterations of plain all-reduce first (PyTorch's minimum: 2)")
+                   help="iterations of plain all-reduce first (PowerSGD's minimum: 2)")
+    p.add_argument("--local-sgd-period", type=int, default=8,
+                   help="local SGD: steps between parameter averagings (>= 1)")
     opts, rest = p.parse_known_args(argv)
+    if opts.hook is None:
+        opts.hook = "powersgd" if opts.hook_rank > 0 else "allreduce"
+    if opts.local_sgd_period < 1:
+        print("error: --local-sgd-period: must be >= 1", file=sys.stderr)
+        return 2
     from megatron_edgc.config import ConfigError, parse_config
     from megatron_edgc.training.launch import detect_launch_env, spawn_local
 
     if opts.hook_rank < 0:
         print("error: --hook-rank: must be >= 0", file=sys.stderr)
         return 2
-    if opts.hook_rank > 0 and opts.hook_start_iter < 2:
+    if opts.hook == "powersgd" and opts.hook_rank < 1:
+        print("error: --hook-rank: powersgd needs >= 1", file=sys.stderr)
+        return 2
+    if opts.hook == "powersgd" and opts.hook_start_iter < 2:
         print("error: --hook-start-iter: PyTorch's powerSGD_hook needs >= 2 with error "
               "feedback", file=sys.stderr)
         return 2
