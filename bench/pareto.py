@@ -416,8 +416,8 @@ def main() -> int:
               flush=True)
         for testbed, name, _, seed, flags in todo:
             run_one(testbed, name, seed, flags)
-            write_report(args.testbed, args.seeds)
-    entries = write_report(args.testbed, args.seeds)
+            write_report(args.seeds)
+    entries = write_report(args.seeds)
     print(json.dumps(entries, indent=1))
     return 0
 
@@ -437,14 +437,32 @@ def is_recorded(testbed: str, name: str, seed: int) -> bool:
         os.path.exists(run_record_path(testbed, name, seed))
 
 
-def write_report(testbeds: list, seeds: int) -> list:
-    """summary.json, the plots and the BENCHMARKS.md section from every recorded run."""
-    entries = [summarize_run(testbed, name, controller, seed, metrics_path(testbed, name, seed))
-               for testbed in testbeds for name, controller, seed, _ in plan(testbed, seeds)
-               if is_recorded(testbed, name, seed)]
+def recorded_entries(seeds: int) -> list:
+    """summary.json's entries of every recorded run of every testbed, whatever the command
+    line selected: the planned runs finished here or committed, and any committed record
+    outside today's plan (another --seeds, a run since removed from it)."""
+    import glob
+
+    entries = {}
+    for testbed in TESTBEDS:
+        for name, controller, seed, _ in plan(testbed, seeds):
+            if is_recorded(testbed, name, seed):
+                entries[(testbed, name, seed)] = summarize_run(
+                    testbed, name, controller, seed, metrics_path(testbed, name, seed))
+        for path in sorted(glob.glob(os.path.join(RESULTS, "runs", testbed, "*.json"))):
+            with open(path) as fh:
+                entry = json.load(fh)["entry"]
+            entries.setdefault((entry["testbed"], entry["name"], entry["seed"]), entry)
+    return list(entries.values())
+
+
+def write_report(seeds: int) -> list:
+    """summary.json, the plots and the BENCHMARKS.md section from every recorded run of
+    every testbed (a sweep of one testbed keeps the others' rows)."""
+    entries = recorded_entries(seeds)
     with open(os.path.join(RESULTS, "summary.json"), "w") as fh:
         json.dump(entries, fh, indent=1)
-    report(testbeds, entries)
+    report(list(TESTBEDS), entries)
     return entries
 
 

@@ -1,0 +1,37 @@
+"""Benchmark writers regenerate their section from every recorded run: a run of one
+testbed keeps the other testbeds' rows (issue 42 item 8: a sweep of small-dp4 alone once
+rewrote the pareto tables without tiny-dp4 and tiny-pp2)."""
+
+import json
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def test_pareto_writer_for_one_testbed_keeps_the_other_testbeds(tmp_path, monkeypatch):
+    import bench.pareto as pareto
+    import bench.report as report
+
+    results = tmp_path / "results"
+    for testbed in ("tiny-dp4", "small-dp4"):   # two runs of each from the committed records
+        src = os.path.join(ROOT, "bench", "results", "pareto", "runs", testbed)
+        dst = results / "runs" / testbed
+        dst.mkdir(parents=True)
+        for name in sorted(os.listdir(src))[:2]:
+            shutil.copy(os.path.join(src, name), dst / name)
+    bench_md = tmp_path / "BENCHMARKS.md"
+    monkeypatch.setattr(pareto, "RESULTS", str(results))
+    monkeypatch.setattr(pareto, "RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(report, "BENCHMARKS", str(bench_md))
+    monkeypatch.setattr(sys, "argv", ["pareto.py", "--testbed", "small-dp4", "--report-only"])
+    assert pareto.main() == 0
+    entries = json.load(open(results / "summary.json"))
+    assert sorted({e["testbed"] for e in entries}) == ["small-dp4", "tiny-dp4"]
+    assert len(entries) == 4
+    text = bench_md.read_text()
+    for e in entries:   # every run's row is in its testbed's table
+        section = text.split(f"### {e['testbed']}")[1].split("###")[0]
+        assert f"| {e['name']} |" in section, (e["testbed"], e["name"])
