@@ -78,7 +78,7 @@ def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buff
     the bytes of the fp32 reduce, and PowerSGD on those bf16 buffers (no fp32 copy of them)
     sends the bytes its shapes give, keeps the DP replicas bit-identical, and ends within
     0.1 nats of the dense bf16 run's loss; its start-up line names the gradient dtype."""
-    layout = LAYOUTS["tp1-pp2-dp2"] + ["--bf16"]
+    layout = LAYOUTS["tp1-pp2-dp2-distopt"] + ["--bf16"]
     runs = {}
     for name, flags in (("fp32-reduce", ["--edgc-mode", "off"]),
                         ("bf16-reduce", ["--edgc-mode", "off", "--grad-reduce-in-bf16"]),
