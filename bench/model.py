@@ -88,8 +88,9 @@ def allreduce_s(nbytes: float, n: int, bandwidth_gbit: float, alpha_us: float) -
 
 
 def sync_bytes(mats, dense_rest: int, rank: Optional[int], grad_bytes: int,
-               min_rate: float = 2.0) -> tuple[float, float]:
-    """(bytes of the first all-reduce, bytes of the second) for one shard."""
+               min_rate: float = 2.0, factor_bytes: int = 4) -> tuple[float, float]:
+    """(bytes of the first all-reduce, bytes of the second) for one shard: dense at
+    ``grad_bytes`` per element, or P (and Q) at ``factor_bytes`` with the rest fp32."""
     if rank is None:
         return (sum(n * m for n, m in mats) + dense_rest) * grad_bytes, 0.0
     p_elems, q_elems, rest = 0, 0, dense_rest
@@ -99,7 +100,7 @@ def sync_bytes(mats, dense_rest: int, rank: Optional[int], grad_bytes: int,
             q_elems += m * rank
         else:
             rest += n * m
-    return (p_elems + rest) * 4.0, q_elems * 4.0
+    return p_elems * factor_bytes + rest * 4.0, q_elems * float(factor_bytes)
 
 
 def load_kernels(path: str = KERNELS) -> dict:
@@ -186,7 +187,7 @@ def predict(cluster: Cluster, schedule: list, kernels: Optional[dict] = None) ->
     dense_sync = allreduce_s(dense_b1, dp, cluster.dp_bandwidth_gbit, cluster.alpha_us)
     mean_sync = sum(s * sync for _, s, sync, _, _ in rows)
     mean_iter = sum(s * it for _, s, _, it, _ in rows)
-    extra = {}
+    extra: dict = {}
     if kernels is not None:
         mean_kernel = sum(kernel_rows)
         mean_bytes = sum(s * b for _, s, _, _, b in rows)
@@ -194,10 +195,26 @@ def predict(cluster: Cluster, schedule: list, kernels: Optional[dict] = None) ->
         # bandwidth term saved equals the kernels' time (α terms cancel to first order).
         ring = 2 * (dp - 1) / dp * 8 / 1e9
         pays_below = ring * (dense_b1 - mean_bytes) / mean_kernel if mean_kernel > 0 else None
-        extra = {"mean_kernel_s": mean_kernel,
+        # Against Megatron's --grad-reduce-in-bf16 (dense at 2 bytes, what a user turns on
+        # first), with EDGC's default bf16 factors and its kernels at bf16 factors.
+        bf16_b1, _ = sync_bytes(mats, rest, None, 2)
+        bf16_sync = allreduce_s(bf16_b1, dp, cluster.dp_bandwidth_gbit, cluster.alpha_us)
+        ours_bytes = sum(s * sum(sync_bytes(mats, rest, r, 4, factor_bytes=2))
+                         for r, s in schedule)
+        ours_sync = sum(s * sum(allreduce_s(b, dp, cluster.dp_bandwidth_gbit, cluster.alpha_us)
+                                for b in sync_bytes(mats, rest, r, 4, factor_bytes=2) if b)
+                        for r, s in schedule)
+        ours_kernel = sum(s * ((kernel_s(kernels, key, r, "bf16") if r else 0.0)
+                               + entropy_s(kernels, key)) for r, s in schedule)
+        extra["comm_reduction_vs_bf16"] = 1 - (ours_sync + ours_kernel) / bf16_sync
+        extra["time_reduction_vs_bf16"] = 1 - (compute_s + ours_sync + ours_kernel) / \
+            (compute_s + bf16_sync)
+        extra["pays_below_vs_bf16_gbit"] = ring * (bf16_b1 - ours_bytes) / ours_kernel \
+            if ours_kernel > 0 and bf16_b1 > ours_bytes else None
+        extra.update({"mean_kernel_s": mean_kernel,
                  "comm_reduction_kernels": 1 - (mean_sync + mean_kernel) / dense_sync,
                  "time_reduction_kernels": 1 - (mean_iter + mean_kernel) / (compute_s + dense_sync),
-                 "pays_below_gbit": pays_below}
+                 "pays_below_gbit": pays_below})
     # The DP bandwidth at which dense sync would be 35 % of the iteration (issue 7's bar).
     target = 0.35 / 0.65 * compute_s - 2 * (dp - 1) * cluster.alpha_us * 1e-6
     breakeven_gbit = 2 * (dp - 1) / dp * dense_b1 * 8 / target / 1e9 if target > 0 else None
@@ -420,8 +437,9 @@ def main() -> int:
     lines = ["| setup (modelled) | params | compute s/iter | dense DP sync s | sync share "
              "| EDGC DP sync, bytes only | + measured kernels | EDGC iteration, with kernels "
              "| paper (sync / iteration) | DP link where dense sync = 35 % "
-             "| compression pays below |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| compression pays below | vs dense bf16 reduce: sync, iteration (bf16 "
+             "factors) | pays below, vs bf16 reduce |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
     variants = [("measured kernels of the step before issue 33, "
                  f"{kernels['device']}, {kernels['date']}", kernels),
@@ -441,7 +459,9 @@ def main() -> int:
             f"({1e3 * r['mean_kernel_s']:.1f} ms) | {signed(-r['time_reduction_kernels'])} | "
             f"−{100 * PAPER['comm_reduction']:.2f} % / −{100 * PAPER['time_reduction']:.2f} % | "
             f"{r['breakeven_gbit']:.1f} Gbit/s per GPU | "
-            f"{'–' if pays is None else format(pays, '.0f') + ' Gbit/s per GPU'} |")
+            f"{'–' if pays is None else format(pays, '.0f') + ' Gbit/s per GPU'} | "
+            f"{signed(-r['comm_reduction_vs_bf16'])}, {signed(-r['time_reduction_vs_bf16'])} | "
+            f"{'–' if r['pays_below_vs_bf16_gbit'] is None else format(r['pays_below_vs_bf16_gbit'], '.0f') + ' Gbit/s per GPU'} |")
     body = ("**Modelled, with measured kernels.** Alpha-beta ring all-reduce of the largest "
             "(TP, PP) shard's gradients (fp32; PowerSGD: P + dense rest, then Q, per-matrix "
             "rule of the code), compute = (6·params·tokens + 12·L·h·s²·sequences) / (GPUs × "
@@ -452,7 +472,10 @@ def main() -> int:
             f"sampler (`{os.path.relpath(args.kernels, ROOT)}`, {kernels['device']}, "
             f"{kernels['date']}; section *GPU kernels*), added to the compressed sync; the "
             "V100 row uses the H100's kernel times (a lower bound). Rank schedule (share of "
-            f"iterations): `{args.rank_schedule}`.\n\n" + "\n".join(lines) +
+            f"iterations): `{args.rank_schedule}`. The last two columns measure against "
+            "the dense sync a user turns on first, Megatron's `--grad-reduce-in-bf16` (2 "
+            "bytes per element), with EDGC's default bf16 factors (the dense rest fp32) and "
+            "the kernels measured at bf16 factors.\n\n" + "\n".join(lines) +
             "\n\n" + interpretation(results))
     from bench.report import write_section
 
