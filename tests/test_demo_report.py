@@ -75,6 +75,10 @@ def test_the_demo_line_gives_each_runs_time_to_the_higher_final_loss_and_the_rat
     modelled = demo.time_to_loss_line(runs, lambda r: 100.0, " (modelled)")
     assert "training seconds (modelled)" in modelled
     assert modelled.endswith("dense 1.7 s, edgc 1.2 s; edgc/dense 0.71x")
+    three = {"dense": runs["dense"], "dense-bf16": records(150.0, {2: 5.0, 4: 4.0, 6: 3.4}),
+             "edgc": runs["edgc"]}      # the last run against each of the others
+    assert demo.time_to_loss_line(three).endswith(
+        "dense 1.1 s, dense-bf16 0.8 s, edgc 0.6 s; edgc/dense 0.53x; edgc/dense-bf16 0.71x")
     runs["edgc"] = records(100.0, {})
     assert plot_run.common_target(runs) is None
     assert demo.time_to_loss_line(runs) == "time to loss: a run has no validation loss"
