@@ -1,0 +1,332 @@
+#!/usr/bin/env python
+"""EDGC against what a user would run instead, by time to a target validation loss.
+
+    sudo .venv/bin/python bench/peers.py             # ~75 min on 2 cores; finished runs reused
+    sudo .venv/bin/python bench/peers.py --report-only
+
+Same model (``configs/tiny-cpu.yaml`` at TP1·PP1·DP4, so PyTorch DDP runs the same layout),
+same data and seeds, fp32 training for every mode. Why fp32: bf16 mixed precision runs
+faster on this CPU in the trainer, but PyTorch's peers cannot use it here (``torch.autocast``
+fails in megatron-core's linear layers on CPU, and bf16 parameters without fp32 main
+weights are not what a user runs), so every mode trains in fp32 and the bf16 reduction is
+put on the wire by ``bf16_compress_hook`` (the bytes of Megatron-LM's
+``--grad-reduce-in-bf16``, which on fp32 parameters would keep fp32 gradients). The modes:
+
+* ``dense fp32``: megatron-core's DP all-reduce (today's baseline);
+* ``bf16 wire``: the same gradients reduced in bf16 (torch DDP ``bf16_compress_hook``);
+* ``uint8``: ``quantization_perchannel_hook``'s algorithm (all-gathered uint8 channels);
+* ``hook r_max``: torch DDP ``powerSGD_hook``;
+* ``local SGD /8``: ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``, parameters
+  averaged every 8 steps (torchft's DiLoCo needs its lighthouse server and a Manager per
+  replica group: not tried here);
+* ``static r_max``, ``static r_min``: this product's PowerSGD at a fixed rank;
+* ``EDGC``: the paper's controller; ``EDGC budget``: the budget controller
+  (``--edgc-controller budget``). Both with the bypass off (their decisions fixed, the same
+  on every link: the bypass would follow the link and the loss curve with it).
+
+Two kinds of runs, composed:
+
+1. **Loss curves**: each mode, 3 seeds (``--seed 1234+i``), ``--loss-iters`` iterations (200),
+   an evaluation every 20, on loopback (the curve does not depend on the link: the math
+   does not, the decisions are fixed).
+2. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
+   rank, bench/netns.py): each mode ``--time-iters`` iterations (40), 2 repetitions, its
+   steady ms/iter (after its warm-up; EDGC's windows scaled to the short run), DP sync and
+   bytes. EDGC's dense warm-up iterations of the loss run are priced at dense fp32's ms/iter.
+
+Time to target: the target is the worse final validation loss of the two dense runs
+(fp32 and bf16 wire) of each seed; each mode's time is its loss run's iterations priced at
+its measured ms/iter per link, interpolated between evaluations (scripts/plot_run.py).
+Ratios are against the strongest peer of each link (the fastest to the target, peers being
+every mode that is not this product's), paired per seed and repetition; a ratio range that
+spans 1 is no difference. Writes ``bench/results/peers/`` and the ``peers`` section of
+BENCHMARKS.md, from all recorded runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench.netns import NetnsUnavailable, ShapedNetwork  # noqa: E402
+from bench.report import run_pretrain, write_section  # noqa: E402
+from plot_run import time_to_loss  # noqa: E402
+
+CONFIG, R_MAX, R_MIN = "configs/tiny-cpu.yaml", 32, 8
+PURE_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+           "--data-parallel-size", "4"]
+RATES = ["100mbit", "300mbit", "1gbit"]
+SEEDS = [1234, 1235, 1236]
+REPEATS = 2
+EVAL_EVERY = 20
+OURS = ("static r_max", "static r_min", "EDGC", "EDGC budget")
+TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
+
+
+def edgc_flags(iters: int, controller: str) -> list:
+    """The paper's defaults scaled: the config's windows for the 200-iteration loss run; for
+    a short timing run, a warm-up of at most a quarter of it and windows of 5."""
+    flags = ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "off",
+             "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
+    if iters < 100:
+        flags += ["--edgc-window", "5", "--edgc-iter-sample-rate", "0.4",
+                  "--edgc-warmup-max-iters", str(max(4, iters // 4)), "--edgc-warmup-windows",
+                  "1"]
+    return flags
+
+
+def modes(iters: int) -> dict:
+    """name -> (script, flags)."""
+    static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "off"]
+    return {
+        "dense fp32": (TRAINER, ["--edgc-mode", "off"]),
+        "bf16 wire": (DDP, ["--hook", "bf16"]),
+        "uint8": (DDP, ["--hook", "quantize"]),
+        "hook r_max": (DDP, ["--hook", "powersgd", "--hook-rank", str(R_MAX)]),
+        "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
+        "static r_max": (TRAINER, static + ["--edgc-rank", str(R_MAX)]),
+        "static r_min": (TRAINER, static + ["--edgc-rank", str(R_MIN)]),
+        "EDGC": (TRAINER, edgc_flags(iters, "paper")),
+        "EDGC budget": (TRAINER, edgc_flags(iters, "budget")),
+    }
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "_").replace("/", "per")
+
+
+def base_flags(iters: int, seed: int) -> list:
+    return ["--config", os.path.join(ROOT, CONFIG), *PURE_DP, "--seed", str(seed),
+            "--eval-interval", str(EVAL_EVERY if iters >= 100 else iters), "--eval-iters", "5",
+            "--lr-warmup-iters", str(max(2, iters // 10))]
+
+
+def run_losses(out: str, iters: int, only=None) -> None:
+    for seed in SEEDS:
+        for name, (script, flags) in modes(iters).items():
+            if only and name not in only:
+                continue
+            run_pretrain(f"{slug(name)}_seed{seed}", base_flags(iters, seed) + flags,
+                         os.path.join(out, "loss"), iters, reuse=True, script=script)
+
+
+def run_timing(out: str, iters: int, only=None) -> None:
+    port = 29700
+    for rate in RATES:
+        try:
+            net_cm = ShapedNetwork(4, rate)
+            net = net_cm.__enter__()
+        except NetnsUnavailable as exc:
+            raise SystemExit(f"the timing runs need tbf-shaped namespaces (root): {exc}")
+        try:
+            for rep in range(REPEATS):
+                for name, (script, flags) in modes(iters).items():
+                    if only and name not in only:
+                        continue
+                    port += 1
+
+                    def launch(cmd, net=net, port=port):
+                        codes = net.run(cmd, port=port, env={"OMP_NUM_THREADS": "1"},
+                                        timeout=3600, cwd=ROOT)
+                        return max(abs(c) for c in codes)
+
+                    run_pretrain(f"{slug(name)}_rep{rep}", base_flags(iters, SEEDS[0]) + flags,
+                                 os.path.join(out, "time", rate), iters, reuse=True,
+                                 script=script, launch=launch)
+        finally:
+            net_cm.close()
+
+
+# ---------------------------------------------------------------- reading the runs
+
+def read_run(path: str):
+    with open(path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    with open(os.path.splitext(path)[0] + ".summary.json") as fh:
+        return records, json.load(fh)
+
+
+def warmup_end(records) -> int:
+    """The last dense iteration of an EDGC run (0 without a warm-up record)."""
+    return next((r["warmup_end_iter"] for r in records if "warmup_end_iter" in r), 0)
+
+
+def steady(records, key, start: int):
+    vals = [r[key] for r in records if r["iteration"] > start and r.get(key) is not None]
+    vals = [numpy.nanmax(v) if isinstance(v, list) else v for v in vals]
+    return float(numpy.mean(vals)) if vals else None
+
+
+def timing_figures(records) -> dict:
+    """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3."""
+    start = max(3, warmup_end(records) + 2)
+    return {"iter_ms": steady(records, "iter_ms", start),
+            "sync_ms": steady(records, "grad_sync_ms", start),
+            "mib": steady(records, "dp_bytes_sent_job", start) / 2**20,
+            "compress_ms": steady(records, "dp_compress_ms", start)}
+
+
+def collect(out: str, loss_iters: int, time_iters: int) -> dict:
+    """Every recorded run: ``{"loss": {mode: {seed: records}}, "time": {rate: {mode: [figs]}}}``
+    (all that is on disk, whatever the command line selected)."""
+    names = {slug(n): n for n in modes(loss_iters)}
+    loss: dict = {}
+    for path in sorted(glob.glob(os.path.join(out, "loss", "*_seed*.summary.json"))):
+        stem = os.path.basename(path)[:-len(".summary.json")]
+        mode, seed = stem.rsplit("_seed", 1)
+        if mode in names:
+            loss.setdefault(names[mode], {})[int(seed)] = \
+                read_run(os.path.splitext(path[:-len(".summary.json")])[0] + ".jsonl")[0]
+    timing: dict = {}
+    for rate in RATES:
+        for path in sorted(glob.glob(os.path.join(out, "time", rate, "*_rep*.summary.json"))):
+            stem = os.path.basename(path)[:-len(".summary.json")]
+            mode, _ = stem.rsplit("_rep", 1)
+            if mode in names:
+                recs, _ = read_run(path[:-len(".summary.json")] + ".jsonl")
+                timing.setdefault(rate, {}).setdefault(names[mode], []).append(
+                    timing_figures(recs))
+    return {"loss": loss, "time": timing}
+
+
+def final_val(records):
+    return next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
+
+
+def priced(records, ms: float, dense_ms: float) -> list:
+    """The loss run's records with each iteration priced at the link's measured ms/iter
+    (dense fp32's for EDGC's dense warm-up)."""
+    warm = warmup_end(records)
+    return [dict(r, iter_ms=dense_ms if r["iteration"] <= warm else ms) for r in records]
+
+
+def times_to_target(data: dict, rate: str) -> dict:
+    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` (None where a run never
+    reaches its seed's target), and the targets per seed."""
+    loss, timing = data["loss"], data["time"].get(rate, {})
+    dense = timing.get("dense fp32")
+    out = {}
+    for mode, seeds in loss.items():
+        if mode not in timing or dense is None:
+            continue
+        vals = []
+        for seed, records in sorted(seeds.items()):
+            d1, d2 = loss.get("dense fp32", {}).get(seed), loss.get("bf16 wire", {}).get(seed)
+            if d1 is None or d2 is None:
+                continue
+            target = max(final_val(d1), final_val(d2))
+            for rep, (fig, dfig) in enumerate(zip(timing[mode], dense)):
+                vals.append(time_to_loss(priced(records, fig["iter_ms"], dfig["iter_ms"]),
+                                         target))
+        out[mode] = vals
+    return out
+
+
+def spread(vals, spec=".1f", scale=1.0) -> str:
+    vals = [v * scale for v in vals if v is not None]
+    if not vals:
+        return "—"
+    med = format(float(numpy.median(vals)), spec)
+    return med if len(vals) == 1 else f"{med} ({format(min(vals), spec)}–{format(max(vals), spec)})"
+
+
+def ratio_verdict(ratios: list) -> str:
+    if not ratios:
+        return "—"
+    cell = spread(ratios, ".2f") + "×"
+    if max(ratios) < 1.0:
+        return cell + " faster"
+    if min(ratios) > 1.0:
+        return cell + " slower"
+    return cell + " no difference"
+
+
+def report(data: dict) -> tuple[str, dict]:
+    lines = ["| link | mode | ms/iter | DP sync ms | DP MiB/iter | compress ms | final val loss "
+             "(3 seeds) | time to target s | vs best peer, paired |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    verdicts = {}
+    for rate in RATES:
+        if rate not in data["time"]:
+            continue
+        ttt = times_to_target(data, rate)
+        peers = {m: v for m, v in ttt.items() if m not in OURS and v and None not in v}
+        best = min(peers, key=lambda m: numpy.median(peers[m])) if peers else None
+        verdicts[rate] = {"best_peer": best}
+        for mode in modes(200):
+            figs = data["time"][rate].get(mode)
+            if not figs:
+                continue
+            finals = [final_val(r) for r in data["loss"].get(mode, {}).values()]
+            vs = "—"
+            if best is not None and ttt.get(mode) and None not in ttt[mode]:
+                ratios = [a / b for a, b in zip(ttt[mode], peers[best])]
+                vs = "1 (best peer)" if mode == best else ratio_verdict(ratios)
+                verdicts[rate][mode] = ratios
+            reached = ttt.get(mode) or []
+            t_cell = spread(reached) if reached and None not in reached else \
+                f"not reached in {sum(v is None for v in reached)} of {len(reached)}"
+            lines.append(
+                f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | {mode} | "
+                f"{spread([f['iter_ms'] for f in figs], '.0f')} | "
+                f"{spread([f['sync_ms'] for f in figs], '.0f')} | "
+                f"{spread([f['mib'] for f in figs], '.2f')} | "
+                f"{spread([f['compress_ms'] for f in figs if f['compress_ms'] is not None])} | "
+                f"{spread([v for v in finals if v is not None], '.4f')} | {t_cell} | {vs} |")
+    return "\n".join(lines), verdicts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--loss-iters", type=int, default=200)
+    p.add_argument("--time-iters", type=int, default=40)
+    p.add_argument("--modes", nargs="+", default=None, choices=list(modes(200)),
+                   help="run only these modes (the report still reads every recorded run)")
+    p.add_argument("--phase", choices=("all", "loss", "time"), default="all")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "peers"))
+    args = p.parse_args()
+    if args.loss_iters < 2 * EVAL_EVERY:
+        p.error(f"--loss-iters: must be >= {2 * EVAL_EVERY} (got {args.loss_iters})")
+    if args.time_iters < 10:
+        p.error(f"--time-iters: must be >= 10 (got {args.time_iters})")
+    if not args.report_only:
+        if args.phase in ("all", "loss"):
+            run_losses(args.out, args.loss_iters, args.modes)
+        if args.phase in ("all", "time"):
+            run_timing(args.out, args.time_iters, args.modes)
+    data = collect(args.out, args.loss_iters, args.time_iters)
+    table, verdicts = report(data)
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump({"verdicts": verdicts,
+                   "timing": data["time"],
+                   "final_val": {m: {s: final_val(r) for s, r in v.items()}
+                                 for m, v in data["loss"].items()}}, fh, indent=1)
+    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4, fp32 training for every mode (why: "
+            f"bench/peers.py's docstring); r_max {R_MAX}, r_min {R_MIN}. Loss curves: "
+            f"{args.loss_iters} iterations, seeds {', '.join(map(str, SEEDS))}, an evaluation "
+            f"every {EVAL_EVERY}, on loopback. Timing: {args.time_iters} iterations per link "
+            f"(tbf-shaped veth per rank), {REPEATS} repetitions; ms/iter, DP sync, MiB/iter "
+            f"(whole job, payload) and compress ms are the median (min–max) over them, after "
+            f"each run's warm-up. Time to target = the seed's loss curve priced at the link's "
+            f"ms/iter, to the worse final val loss of the seed's two dense runs; ratios pair "
+            f"seeds × repetitions against the best peer (the fastest non-EDGC mode on that "
+            f"link); a range spanning 1 is no difference.\n\n" + table + "\n\n<!-- notes -->")
+    write_section("peers", "Against the peers a user would run instead: time to a target "
+                  "loss", "sudo .venv/bin/python bench/peers.py", body)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
