@@ -34,9 +34,9 @@ Two kinds of runs, composed:
    steady ms/iter (after its warm-up; EDGC's windows scaled to the short run), DP sync and
    bytes. EDGC's dense warm-up iterations of the loss run are priced at dense fp32's ms/iter.
 
-Time to target: the target is the worse final validation loss of the two dense runs
-(fp32 and bf16 wire) of each seed; each mode's time is its loss run's iterations priced at
-its measured ms/iter per link, interpolated between evaluations (scripts/plot_run.py).
+Time to target: the target is the worst final validation loss of the two dense modes
+(fp32 and bf16 wire) over the seeds; each mode's time is its loss run's iterations priced
+at its measured ms/iter per link, interpolated between evaluations (scripts/plot_run.py).
 Ratios are against the strongest peer of each link (the fastest to the target, peers being
 every mode that is not this product's), paired per seed and repetition; a ratio range that
 spans 1 is no difference. Writes ``bench/results/peers/`` and the ``peers`` section of
@@ -209,21 +209,29 @@ def priced(records, ms: float, dense_ms: float) -> list:
     return [dict(r, iter_ms=dense_ms if r["iteration"] <= warm else ms) for r in records]
 
 
+def target_loss(data: dict):
+    """The worst final validation loss of the two dense runs (fp32 and bf16 wire) over
+    every seed: one loss level every dense run reached. (Per seed, a mode whose final
+    loss sits a seed-noise above its seed's dense final would never reach it in the run,
+    whatever its speed.) None until both dense modes have a run."""
+    finals = [final_val(records) for mode in ("dense fp32", "bf16 wire")
+              for records in data["loss"].get(mode, {}).values()]
+    finals = [f for f in finals if f is not None]
+    return max(finals) if finals else None
+
+
 def times_to_target(data: dict, rate: str) -> dict:
-    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` (None where a run never
-    reaches its seed's target), and the targets per seed."""
+    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` to :func:`target_loss`
+    (None where a run never reaches it)."""
     loss, timing = data["loss"], data["time"].get(rate, {})
     dense = timing.get("dense fp32")
+    target = target_loss(data)
     out = {}
     for mode, seeds in loss.items():
-        if mode not in timing or dense is None:
+        if mode not in timing or dense is None or target is None:
             continue
         vals = []
         for seed, records in sorted(seeds.items()):
-            d1, d2 = loss.get("dense fp32", {}).get(seed), loss.get("bf16 wire", {}).get(seed)
-            if d1 is None or d2 is None:
-                continue
-            target = max(final_val(d1), final_val(d2))
             for rep, (fig, dfig) in enumerate(zip(timing[mode], dense)):
                 vals.append(time_to_loss(priced(records, fig["iter_ms"], dfig["iter_ms"]),
                                          target))
@@ -239,6 +247,13 @@ def spread(vals, spec=".1f", scale=1.0) -> str:
     return med if len(vals) == 1 else f"{med} ({format(min(vals), spec)}–{format(max(vals), spec)})"
 
 
+def iters_cell(vals: list) -> str:
+    """Iterations to the target per seed (interpolated), or how many seeds never got there."""
+    missed = sum(v is None for v in vals)
+    cell = spread([v for v in vals if v is not None], ".0f")
+    return cell + (f", not reached in {missed} of {len(vals)}" if missed else "")
+
+
 def ratio_verdict(ratios: list) -> str:
     if not ratios:
         return "—"
@@ -251,9 +266,13 @@ def ratio_verdict(ratios: list) -> str:
 
 
 def report(data: dict) -> tuple[str, dict]:
+    target = target_loss(data)
+    iters_to = {m: [None if target is None else
+                    time_to_loss([dict(r, iter_ms=1e3) for r in recs], target)
+                    for recs in seeds.values()] for m, seeds in data["loss"].items()}
     lines = ["| link | mode | ms/iter | DP sync ms | DP MiB/iter | compress ms | final val loss "
-             "(3 seeds) | time to target s | vs best peer, paired |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(3 seeds) | iterations to target | time to target s | vs best peer, paired |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = {}
     for rate in RATES:
         if rate not in data["time"]:
@@ -281,7 +300,8 @@ def report(data: dict) -> tuple[str, dict]:
                 f"{spread([f['sync_ms'] for f in figs], '.0f')} | "
                 f"{spread([f['mib'] for f in figs], '.2f')} | "
                 f"{spread([f['compress_ms'] for f in figs if f['compress_ms'] is not None])} | "
-                f"{spread([v for v in finals if v is not None], '.4f')} | {t_cell} | {vs} |")
+                f"{spread([v for v in finals if v is not None], '.4f')} | "
+                f"{iters_cell(iters_to.get(mode, []))} | {t_cell} | {vs} |")
     return "\n".join(lines), verdicts
 
 
@@ -319,7 +339,9 @@ def main() -> int:
             f"(tbf-shaped veth per rank), {REPEATS} repetitions; ms/iter, DP sync, MiB/iter "
             f"(whole job, payload) and compress ms are the median (min–max) over them, after "
             f"each run's warm-up. Time to target = the seed's loss curve priced at the link's "
-            f"ms/iter, to the worse final val loss of the seed's two dense runs; ratios pair "
+            f"ms/iter, to the worst final val loss of the two dense modes over the seeds "
+            f"({'—' if target_loss(data) is None else format(target_loss(data), '.4f')}); "
+            f"ratios pair "
             f"seeds × repetitions against the best peer (the fastest non-EDGC mode on that "
             f"link); a range spanning 1 is no difference.\n\n" + table + "\n\n<!-- notes -->")
     write_section("peers", "Against the peers a user would run instead: time to a target "
