@@ -196,7 +196,8 @@ def predict(cluster: Cluster, schedule: list, kernels: Optional[dict] = None) ->
         ring = 2 * (dp - 1) / dp * 8 / 1e9
         pays_below = ring * (dense_b1 - mean_bytes) / mean_kernel if mean_kernel > 0 else None
         # Against Megatron's --grad-reduce-in-bf16 (dense at 2 bytes, what a user turns on
-        # first), with EDGC's default bf16 factors and its kernels at bf16 factors.
+        # first), with EDGC's default bf16 factors and its kernels at bf16 factors (fp32
+        # ones where no bf16 run was measured).
         bf16_b1, _ = sync_bytes(mats, rest, None, 2)
         bf16_sync = allreduce_s(bf16_b1, dp, cluster.dp_bandwidth_gbit, cluster.alpha_us)
         ours_bytes = sum(s * sum(sync_bytes(mats, rest, r, 4, factor_bytes=2))
@@ -204,7 +205,9 @@ def predict(cluster: Cluster, schedule: list, kernels: Optional[dict] = None) ->
         ours_sync = sum(s * sum(allreduce_s(b, dp, cluster.dp_bandwidth_gbit, cluster.alpha_us)
                                 for b in sync_bytes(mats, rest, r, 4, factor_bytes=2) if b)
                         for r, s in schedule)
-        ours_kernel = sum(s * ((kernel_s(kernels, key, r, "bf16") if r else 0.0)
+        kdtype = "bf16" if any(run["factor_dtype"] == "bf16"
+                               for run in kernels["configs"][key]["runs"]) else "fp32"
+        ours_kernel = sum(s * ((kernel_s(kernels, key, r, kdtype) if r else 0.0)
                                + entropy_s(kernels, key)) for r, s in schedule)
         extra["comm_reduction_vs_bf16"] = 1 - (ours_sync + ours_kernel) / bf16_sync
         extra["time_reduction_vs_bf16"] = 1 - (compute_s + ours_sync + ours_kernel) / \

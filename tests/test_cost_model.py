@@ -81,6 +81,22 @@ def test_measured_kernels_add_to_the_compressed_sync():
     assert at["mean_sync_s"] + at["mean_kernel_s"] == pytest.approx(at["dense_sync_s"], rel=0.02)
 
 
+def test_against_bf16_dense_the_crossover_is_where_the_syncs_meet():
+    """Against Megatron's --grad-reduce-in-bf16 (2 bytes per element) the link below which
+    compression pays is lower than against fp32 dense, and at that link the schedule's
+    sync with bf16 factors plus its kernels equals the bf16 dense sync (to the α terms)."""
+    import dataclasses
+
+    cluster = CLUSTERS["gpt2-12.1b-h100x64"]
+    schedule = [(None, 0.25), (32, 0.75)]
+    k = _kernels({16: 10.0, 32: 20.0, 64: 60.0}, entropy_ms=1.0)
+    r = predict(cluster, schedule, k)
+    assert 0 < r["pays_below_vs_bf16_gbit"] < r["pays_below_gbit"]
+    at = predict(dataclasses.replace(cluster, dp_bandwidth_gbit=r["pays_below_vs_bf16_gbit"]),
+                 schedule, k)
+    assert at["comm_reduction_vs_bf16"] == pytest.approx(0.0, abs=0.02)
+
+
 def test_the_committed_h100_kernels_load_for_both_setups():
     from bench.model import load_kernels
 
