@@ -281,6 +281,25 @@ def run_all(configs, rates, iters, out_root, reuse, repeats=3,
     return {k: aggregate(v) for k, v in reps.items()}, emulated
 
 
+def rates_of(results: dict, cname: str, rates: list) -> list:
+    """The rates of ``rates`` that ``results`` holds every mode of for ``cname``."""
+    _, r_max, r_min = CONFIGS[cname]
+    return [rate for rate in rates
+            if all(f"{cname}|{rate}|{m}" in results for m in modes(r_max, r_min, 30))]
+
+
+def merge_recorded(results: dict, previous: dict) -> tuple[dict, list, list]:
+    """This run's rows and every row of the previous ``results.json`` it did not rerun:
+    ``(rows, configs, rates)``, the configs and rates that have all their modes, in the
+    benchmark's order. The section is written from all recorded runs, whatever
+    ``--configs`` and ``--rates`` select."""
+    rows = dict(previous)
+    rows.update(results)
+    configs = [c for c in CONFIGS if rates_of(rows, c, RATES)]
+    rates = [r for r in RATES if any(r in rates_of(rows, c, RATES) for c in configs)]
+    return rows, configs, rates
+
+
 def fmt(v, spec=".1f"):
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -303,7 +322,7 @@ def table(results, configs, rates, iters) -> str:
                   "| DP MiB/iter | val loss | Δ vs dense | compress ms (saving ms) | bypassed | "
                   "last word: acc, NLL |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for rate in rates:
+        for rate in rates_of(results, cname, rates):
             dense = results[f"{cname}|{rate}|dense"]
             for mname in modes(r_max, r_min, iters):
                 r = results[f"{cname}|{rate}|{mname}"]
@@ -362,7 +381,7 @@ def targets(results, configs, rates, iters) -> str:
     for cname in configs:
         _, r_max, r_min = CONFIGS[cname]
         floor_row = results.get(f"{cname}|none|dense")
-        for rate in rates:
+        for rate in rates_of(results, cname, rates):
             get = lambda m: results[f"{cname}|{rate}|{m}"]  # noqa: E731
             dense, edgc = get("dense"), get("EDGC")
             hook, static = get(f"hook r{r_max}"), get(f"static r{r_max}")
@@ -411,19 +430,20 @@ def plots(results, configs, rates, iters, out_root) -> list:
     for cname in configs:
         _, r_max, r_min = CONFIGS[cname]
         names = list(modes(r_max, r_min, iters))
+        crates = rates_of(results, cname, rates)
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         width = 0.8 / len(names)
         for ax, key, label in ((axes[0], "sync_ms", "DP gradient sync (ms/iter)"),
                                (axes[1], "iter_ms", "iteration time (ms)")):
             for j, mname in enumerate(names):
-                vals = [results[f"{cname}|{rate}|{mname}"][key] for rate in rates]
-                ax.bar([i + j * width for i in range(len(rates))], vals, width, label=mname)
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))])
-            ax.set_xticklabels(["unshaped" if r == "none" else r for r in rates])
+                vals = [results[f"{cname}|{rate}|{mname}"][key] for rate in crates]
+                ax.bar([i + j * width for i in range(len(crates))], vals, width, label=mname)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(crates))])
+            ax.set_xticklabels(["unshaped" if r == "none" else r for r in crates])
             ax.set_ylabel(label)
             ax.set_yscale("log")
             ax.grid(axis="y", alpha=0.3)
-        modelled_tag = any(results[f"{cname}|{r}|dense"].get("modelled") for r in rates)
+        modelled_tag = any(results[f"{cname}|{r}|dense"].get("modelled") for r in crates)
         fig.suptitle(f"{cname}: TP1·PP1·DP4, 4 ranks, link rate per rank"
                      + (" (shaped rates modelled)" if modelled_tag else " (tbf-shaped veth)"))
         axes[0].legend(fontsize=8)
@@ -462,6 +482,10 @@ def main() -> int:
         p.error(f"--repeats: must be in [1, inf] (got {args.repeats})")
     results, emulated = run_all(args.configs, args.rates, args.train_iters, args.out,
                                 args.reuse, args.repeats, args.modes)
+    previous = os.path.join(args.out, "results.json")
+    if args.modes is None and os.path.exists(previous):
+        with open(previous) as fh:
+            results, args.configs, args.rates = merge_recorded(results, json.load(fh)["results"])
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"emulated": emulated, "iters": args.train_iters, "repeats": args.repeats,
                    "modes": args.modes, "results": results}, fh,

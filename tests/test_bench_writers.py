@@ -35,3 +35,31 @@ def test_pareto_writer_for_one_testbed_keeps_the_other_testbeds(tmp_path, monkey
     for e in entries:   # every run's row is in its testbed's table
         section = text.split(f"### {e['testbed']}")[1].split("###")[0]
         assert f"| {e['name']} |" in section, (e["testbed"], e["name"])
+
+
+def test_slow_links_writer_for_one_config_keeps_the_other_configs_rows():
+    """bench/slow_links.py run for one config and rate writes its table from this run's
+    rows and every row of the previous results.json: the other config's rows survive."""
+    from bench import slow_links
+
+    with open(os.path.join(ROOT, "bench", "results", "slow_links", "results.json")) as fh:
+        small = json.load(fh)["results"]    # the committed run: small at three rates
+    # an earlier run of tiny at 100 Mbit (the small rows' figures under tiny's mode names)
+    previous = {k.replace("small|300mbit|", "tiny|100mbit|").replace("r64", "r32")
+                .replace("r16", "r8"): v for k, v in small.items()
+                if k.startswith("small|300mbit|")}
+    previous.update(small)
+    this_run = {k: v for k, v in small.items() if k.startswith("small|300mbit|")}
+    rows, configs, rates = slow_links.merge_recorded(this_run, previous)
+    assert configs == ["tiny", "small"] and rates == ["100mbit", "300mbit", "1gbit", "none"]
+    table = slow_links.table(rows, configs, rates, 30)
+    assert "**small**" in table and "**tiny**" in table
+    for cname in configs:
+        section = table.split(f"**{cname}**")[1].split("**", 1)[0]
+        for rate in slow_links.rates_of(rows, cname, rates):
+            link = "unshaped" if rate == "none" else \
+                rate.replace("mbit", " Mbit").replace("gbit", " Gbit")
+            assert f"| {link} | dense |" in section, (cname, rate)
+    alone, configs_alone, _ = slow_links.merge_recorded(this_run, {})
+    assert configs_alone == ["small"] and slow_links.rates_of(alone, "small", rates) == \
+        ["300mbit"]
