@@ -351,23 +351,28 @@ def llama_stage_shapes() -> list:
     return [[(1024, h)] + layer, layer + [(h,), (1024, h)]]
 
 
-def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes):
-    """Mode off is bitwise Megatron-LM; EDGC (torch_dist, distributed optimizer, bf16,
-    async save at 4) trains, sends the bytes ``want_bytes(ranks)`` gives as
-    ``(job, expert part of job)``, keeps every replica of every bucket bit-identical; a
+def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes,
+                     compare_off: bool = True):
+    """Mode off is bitwise Megatron-LM (``compare_off``); EDGC (torch_dist, distributed
+    optimizer, bf16, async save at 4) trains, sends the bytes ``want_bytes(ranks)`` gives
+    as ``(job, expert part of job)``, keeps every replica of every bucket bit-identical; a
     resume from 4 repeats 5-8 exactly."""
     plain = TORCH_DIST[:-1]   # no checkpoint: the same model and optimizer, no async save
-    _, unmodified, _ = run_megatron_lm(megatron_lm, megatron_lm[1], model + plain, tmp_path,
-                                       "plain")
-    _, off, _ = run_megatron_lm(megatron_lm, megatron_lm[2], model + plain, tmp_path, "off")
-    assert len(unmodified) == 8 and off == unmodified               # bitwise, as printed
+    unmodified = None
+    if compare_off:
+        _, unmodified, _ = run_megatron_lm(megatron_lm, megatron_lm[1], model + plain,
+                                           tmp_path, "plain")
+        _, off, _ = run_megatron_lm(megatron_lm, megatron_lm[2], model + plain, tmp_path,
+                                    "off")
+        assert len(unmodified) == 8 and off == unmodified           # bitwise, as printed
     ckpt = str(tmp_path / "ckpt")
     run = model + edgc + TORCH_DIST + ["--edgc-check-replicas", "--save", ckpt,
                                        "--save-interval", "4"]
     out, losses, whole = run_megatron_lm(megatron_lm, megatron_lm[2], run, tmp_path, "whole")
     assert [r["iteration"] for r in whole] == list(range(1, 9))
     assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
-    assert losses[:2] == unmodified[:2]                              # dense warm-up
+    if unmodified is not None:
+        assert losses[:2] == unmodified[:2]                          # dense warm-up
     for rec in whole:
         assert rec["dp_replica_mismatches"] == 0, rec["iteration"]
         if want_bytes is None:   # the slow hop: its own check
@@ -480,13 +485,15 @@ def test_moe_allgather_dispatcher(megatron_lm, tmp_path):
 
 def test_grad_reduce_in_bf16_job(megatron_lm, tmp_path):
     """Megatron-LM's ``--grad-reduce-in-bf16`` (bf16 gradient buffers) on TP1·PP2·DP2,
-    torch_dist with the distributed optimizer: off is bitwise Megatron-LM; EDGC compresses
-    the bf16 buffers (fp32 math, no fp32 copy of them) with the bytes of its shapes, keeps
-    the replicas bit-identical, names the gradient dtype, and resumes exactly."""
+    torch_dist with the distributed optimizer: EDGC compresses the bf16 buffers (fp32 math,
+    no fp32 copy of them) with the bytes of its shapes, keeps the replicas bit-identical,
+    names the gradient dtype, and resumes exactly. (Mode off touches no buffer whatever
+    its dtype: its bitwise check is the other jobs', not repeated here for CI's time.)"""
     def want(ranks):
         if not any(ranks or []):   # dense warm-up: Megatron's bf16 reduction, half of fp32's
             return sum(stage_bytes(None)), 0
         return 2 * sum(stage_bytes(r, embedding_apart=True)[s] for s, r in enumerate(ranks)), 0
 
-    out, _ = _check_model_job(megatron_lm, tmp_path, ["--grad-reduce-in-bf16"], EDGC_DP, want)
+    out, _ = _check_model_job(megatron_lm, tmp_path, ["--grad-reduce-in-bf16"], EDGC_DP, want,
+                              compare_off=False)
     assert "(bf16 gradients," in out
