@@ -50,6 +50,7 @@ from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor, ma
 from megatron_edgc.compression.shard import shard_pieces
 from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_compressor_inputs
 from megatron_edgc.patches import features
+from megatron_edgc.patches.dp_stats import DPSyncStats
 from megatron_edgc.patches.timing import IntervalClock
 
 logger = logging.getLogger(__name__)
@@ -66,85 +67,6 @@ def _require_attributes(obj, names, what: str) -> None:
                 f"megatron-core {features.megatron_core_version()} lacks {what}.{name} "
                 f"(the ddp patch); supported versions: "
                 f"{', '.join(features.SUPPORTED_MEGATRON_CORE_VERSIONS)}")
-
-
-@dataclass
-class DPSyncStats:
-    """Per-iteration DP-sync telemetry of this rank.
-
-    Nothing here waits for the device during the step: times are kept as pairs of
-    :attr:`clock` stamps (CUDA events on a GPU, ``perf_counter`` on CPU) and each bucket's
-    non-finite flag as a device tensor; :meth:`resolve` turns them into ``compress_s``,
-    ``comm_s``, ``nonfinite_buckets`` and events, once per step after the step's work.
-    """
-
-    bytes_sent: int = 0      # bytes placed into DP collectives
-    bytes_dense: int = 0     # bytes plain megatron-core would have placed
-    expert_bytes_sent: int = 0   # of those, the expert-parallel buckets' (MoE)
-    expert_bytes_dense: int = 0
-    slow_hop_bytes_sent: int = 0   # of those, across distributed-optimizer instances
-    slow_hop_bytes_dense: int = 0
-    compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
-    comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
-                             # time the stream waited for them)
-    nonfinite_buckets: int = 0       # buckets some rank flagged NaN/Inf (left NaN, EF kept)
-    bypassed_buckets: int = 0        # sent dense by the bypass (compression would not pay)
-    predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
-    predicted_cost_s: float = 0.0    # their measured compress + decompress time
-    compressed: bool = False
-    events: list = field(default_factory=list)
-    clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
-    _intervals: list = field(default_factory=list)  # (name, start stamp, end stamp)
-    _nonfinite: list = field(default_factory=list)  # (bucket key, bool [1] device tensor)
-
-    def reset(self) -> None:
-        self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
-        self.expert_bytes_sent = self.expert_bytes_dense = 0
-        self.slow_hop_bytes_sent = self.slow_hop_bytes_dense = 0
-        self.bypassed_buckets = 0
-        self.compress_s = self.comm_s = 0.0
-        self.predicted_saving_s = self.predicted_cost_s = 0.0
-        self.compressed = False
-        self.events = []
-        self._intervals, self._nonfinite = [], []
-
-    def add_bytes(self, sent: int, dense: int, expert: bool, slow_hop: bool = False) -> None:
-        """Count ``sent`` bytes placed into collectives where megatron-core would place
-        ``dense`` (``expert``: an expert-parallel bucket; ``slow_hop``: across
-        distributed-optimizer instances)."""
-        self.bytes_sent += sent
-        self.bytes_dense += dense
-        if expert:
-            self.expert_bytes_sent += sent
-            self.expert_bytes_dense += dense
-        if slow_hop:
-            self.slow_hop_bytes_sent += sent
-            self.slow_hop_bytes_dense += dense
-
-    def add_time(self, name: str, start) -> None:
-        """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
-        self._intervals.append((name, start, self.clock.stamp()))
-
-    def add_nonfinite_flag(self, key: str, flag: torch.Tensor) -> None:
-        """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
-        self._nonfinite.append((key, flag))
-
-    def resolve(self) -> None:
-        """Turn the step's stamps and flags into numbers (reads the device: call once per
-        step, after its work; a second call adds nothing)."""
-        if self._intervals:
-            self.clock.wait()
-        for name, start, end in self._intervals:
-            setattr(self, name, getattr(self, name) + self.clock.seconds_between(start, end))
-        self._intervals = []
-        if self._nonfinite:
-            flags = torch.cat([flag.view(-1) for _, flag in self._nonfinite]).tolist()
-            for (key, _), bad in zip(self._nonfinite, flags):
-                if bad:
-                    self.nonfinite_buckets += 1
-                    self.events.append(f"non-finite gradient in {key}: left non-finite for "
-                                       f"the optimizer, error feedback untouched")
-        self._nonfinite = []
 
 
 class _PendingSync:
