@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, _check_ranges,
-                                  add_knob_argument, check_writable, flag_of)
+from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, add_knob_arguments,
+                                  check_writable, validate_edgc)
 
 #: Checkpoint formats whose iteration directory and ``latest`` pointer the EDGC state
 #: follows (docs/megatron-lm-seams.md §3); ``--async-save`` included.
@@ -16,16 +16,16 @@ CKPT_FORMATS = ("torch", "torch_dist")
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's ``extra_args_provider``: the ``--edgc-*`` flags; returns the parser."""
-    group = parser.add_argument_group("EDGC", "entropy-driven gradient compression "
-                                              "(megatron_edgc)")
-    for f in dataclasses.fields(EdgcConfig):
-        add_knob_argument(group, flag_of(f.name, EdgcConfig), f, dest=f"edgc_{f.name}",
-                          default=f.default)
-    group.add_argument("--edgc-metrics-file", default=None,
-                       help="JSONL file, one EDGC record per iteration (logging rank)")
-    group.add_argument("--edgc-allow-untested-megatron", action="store_true",
-                       help="run on a megatron-core version the patches were not tested with")
+    """Megatron-LM's ``extra_args_provider``: the ``--edgc-*`` flags, in the trainer's
+    groups (EDGC method, controller, diagnostics); returns the parser."""
+    groups = add_knob_arguments(parser, EdgcConfig, title="EDGC",
+                                dest=lambda f: f"edgc_{f.name}", default=lambda f: f.default)
+    groups["diagnostics"].add_argument(
+        "--edgc-metrics-file", default=None,
+        help="JSONL file, one EDGC record per iteration (logging rank)")
+    groups["diagnostics"].add_argument(
+        "--edgc-allow-untested-megatron", action="store_true",
+        help="run on a megatron-core version the patches were not tested with")
     return parser
 
 
@@ -49,8 +49,6 @@ def run_config(args) -> RunConfig:
     cfg = RunConfig(allow_untested_megatron=args.edgc_allow_untested_megatron)
     for f in dataclasses.fields(EdgcConfig):
         setattr(cfg.edgc, f.name, getattr(args, f"edgc_{f.name}"))
-    _check_ranges(cfg.edgc)
-    cfg.edgc.resolve()
     m, p, t = cfg.model, cfg.parallel, cfg.training
     m.num_layers, m.hidden_size = args.num_layers, args.hidden_size
     m.num_attention_heads, m.ffn_hidden_size = args.num_attention_heads, args.ffn_hidden_size
@@ -67,15 +65,11 @@ def run_config(args) -> RunConfig:
     t.micro_batch_size, t.global_batch_size = args.micro_batch_size, args.global_batch_size
     t.train_iters = args.train_iters or (args.train_samples or 0) // args.global_batch_size
     t.seed = args.seed
+    validate_edgc(cfg)  # the trainer's rules; the shapes' rule once the model exists (seams)
     e = cfg.edgc
     if e.mode == "off" and e.pp_compression == "off":
         return cfg
-    if e.pp_compression != "off" and p.pipeline_model_parallel_size < 2:
-        raise ConfigError("--edgc-pp-compression", f"compresses pipeline sends: needs "
-                                                   f"--pipeline-model-parallel-size >= 2, got "
-                                                   f"{p.pipeline_model_parallel_size}")
     _refuse_unsupported(args)
-    e.check_layout(p)
     if args.edgc_metrics_file:
         check_writable("--edgc-metrics-file", args.edgc_metrics_file, is_file=True)
     return cfg
