@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.compression.powersgd import BucketCompressor, split_factors
 
 
 def householder_orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ class BeforeBucketCompressor(BucketCompressor):
         step.views[key] = [(0, len(g.indices), m)]
         return torch.bmm(m, g.q)
 
-    def finish(self, step, reduced_q: torch.Tensor) -> None:
+    def finish(self, step, reduced: list) -> None:
         """After the second SUM: ``M^ = P^ Q^T`` into the gradients; residual and warm start.
 
         ``M^`` into each gradient with one ``mm`` per matrix, the residual into ``M``'s
@@ -49,7 +49,9 @@ class BeforeBucketCompressor(BucketCompressor):
         place, on every step (the price of deciding on the device).
         """
         bad = step.nonfinite
-        for key, g, q in self._summed_qs(reduced_q, bad):
+        q_buf, _, _ = self.layouts()[1].unpack(reduced)
+        shapes = [(len(g.indices), g.m, self._rank_for(g)) for g in self.groups.values()]
+        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
             p_hat = step.p_hat[key]
             for j, i in enumerate(g.indices):
                 grad = step.grads[i]

@@ -79,8 +79,8 @@ def bypass_agreement(out_dir: str) -> None:
     comp = DPGradientCompression([ddp], parallel_state.get_data_parallel_group(),
                                  rank=LOW_RANK, min_compression_rate=2.0, start_iter=0,
                                  seed=7, bypass="auto", link=LinkModel.declared(1.0))
-    info = next(iter(comp._group_of.values()))
-    comp._cost_model = {key: (1e3 * info.intra_rank, 0.0) for key in comp.compressors}
+    info = next(iter(comp.plans.values())).reduction
+    comp.planner.cost_model = {key: (1e3 * info.intra_rank, 0.0) for key in comp.compressors}
     comp.set_iteration(0)
     comp.prepare_iteration()
     first = sorted(comp.dense_keys)
@@ -113,12 +113,12 @@ def main() -> None:
     ddp, _ = build(case)
     from megatron.core import parallel_state
 
-    from megatron_edgc.patches.ddp import DPGradientCompression, _shard_range, reduction_group
+    from megatron_edgc.patches.ddp import DPGradientCompression, reduction_group
 
     comp = DPGradientCompression([ddp], parallel_state.get_data_parallel_group(), rank=None,
                                  min_compression_rate=2.0, start_iter=0, seed=7)
     comp.set_iteration(0)
-    groups = [(g, comp._group_info(g).process_group) for g in ddp.bucket_groups
+    groups = [(g, comp._group_plans[id(g)][0].reduction.process_group) for g in ddp.bucket_groups
               + ddp.expert_parallel_bucket_groups]
     out = {"rank": rank, "group_sizes": [dist.get_world_size(pg) for _, pg in groups],
            "group_members": [dist.get_process_group_ranks(pg) for _, pg in groups],
@@ -135,10 +135,11 @@ def main() -> None:
            "state_bytes": None, "shard_numel": [], "bucket_numel": []}
     gen = torch.Generator().manual_seed(100 + rank)
     buckets = [b for g, _ in groups for b in g.buckets]
-    keys = [comp._bucket_key[id(b)] for b in buckets]
-    infos = [comp._group_of[k] for k in keys]
+    key_of = {id(p.bucket): k for k, p in comp.plans.items()}
+    keys = [key_of[id(b)] for b in buckets]
+    infos = [comp.plans[k].reduction for k in keys]
     # the part of each bucket a rank reads after the sync: its shard, or all of it
-    parts = [_shard_range(b, i) if i.slow_hop else (0, b.grad_data.numel())
+    parts = [i.shard_range(b) if i.slow_hop else (0, b.grad_data.numel())
              for b, i in zip(buckets, infos)]
     out["shard_numel"] = [hi - lo for lo, hi in parts]
     out["shard_ranges"] = parts
@@ -147,7 +148,7 @@ def main() -> None:
     def residual_in_bucket(key, bucket):
         """The compressor's residuals at their places in the bucket (zero elsewhere)."""
         full = torch.zeros_like(bucket.grad_data, dtype=torch.float32)
-        matrices = comp._matrices[key]
+        matrices = comp.plans[key].matrices
         for g in comp.compressors[key].groups.values():
             if g.residual is None:
                 continue

@@ -40,9 +40,9 @@ def simulated_step(compressors, grads_per_rank):
     firsts = [c.start(g) for c, g in zip(compressors, grads_per_rank)]
     reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
     qs = [c.middle(step, [b.clone() for b in reduced]) for c, (_, step) in zip(compressors, firsts)]
-    reduced_q = sum(qs)
+    reduced_q = [sum(parts) for parts in zip(*qs)]
     for c, (_, step) in zip(compressors, firsts):
-        c.finish(step, reduced_q.clone())
+        c.finish(step, [b.clone() for b in reduced_q])
 
 
 def decaying_spectrum(n, m, decay, seed, device):

@@ -7,7 +7,7 @@ from megatron.core import package_info
 from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-from megatron_edgc.patches import ddp, features, p2p
+from megatron_edgc.patches import ddp, features, megatron_buckets, p2p
 from megatron_edgc.patches.cpu import UnsupportedMegatronVersion, check_megatron_version
 
 
@@ -73,9 +73,9 @@ def test_missing_rng_tracker_and_instance_attribute_are_named(monkeypatch):
     # The DP patch also checks the live bucket groups it is handed.
     with pytest.raises(UnsupportedMegatronVersion, match=r"_ParamAndGradBucketGroup\."
                                                          r"grad_reduce_handle \(the ddp patch\)"):
-        ddp._require_attributes(types.SimpleNamespace(buckets=[], ddp_config=None),
-                                ddp._GROUP_ATTRIBUTES,
-                                "_ParamAndGradBucketGroup")
+        megatron_buckets.require_attributes(types.SimpleNamespace(buckets=[], ddp_config=None),
+                                            megatron_buckets.GROUP_ATTRIBUTES,
+                                            "_ParamAndGradBucketGroup")
 
 
 def test_a_module_that_fails_to_import_is_named_with_the_reason():

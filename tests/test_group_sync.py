@@ -89,7 +89,7 @@ def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
 
     from megatron_edgc.compression.powersgd import BucketCompressor
     from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
-    from megatron_edgc.patches.ddp import _matrix_entries, stacked_expert_shapes
+    from megatron_edgc.patches.bucket_matrices import matrix_entries, stacked_expert_shapes
 
     apply_cpu_shims()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
@@ -114,7 +114,7 @@ def test_stacked_experts_are_compressed_one_matrix_each(monkeypatch, tmp_path):
         for p in (layer.weight1, layer.weight2):
             p.main_grad = torch.randn_like(p)
         entries = [entry for name, p in (("weight1", layer.weight1), ("weight2", layer.weight2))
-                   for entry in _matrix_entries(name, p, stacked)]
+                   for entry in matrix_entries(name, p, stacked)]
         assert [(name, shape) for name, shape, _, _ in entries] == \
             [(f"weight1.expert{i}", (h, 2 * f)) for i in range(e)] + \
             [(f"weight2.expert{i}", (f, h)) for i in range(e)]

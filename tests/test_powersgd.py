@@ -15,11 +15,10 @@ def simulated_step(compressors, grads_per_rank):
     reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
     qs = [c.middle(step, [b.clone() for b in reduced])
           for c, (_, step) in zip(compressors, firsts)]
-    reduced_q = sum(qs)
+    reduced_q = [sum(parts) for parts in zip(*qs)]
     for c, (_, step) in zip(compressors, firsts):
-        c.finish(step, reduced_q.clone())
-    return sum(b.numel() * b.element_size() for b in reduced) + \
-        reduced_q.numel() * reduced_q.element_size()
+        c.finish(step, [b.clone() for b in reduced_q])
+    return sum(b.numel() * b.element_size() for b in reduced + reduced_q)
 
 
 def decaying_spectrum(n, m, decay, seed):
@@ -285,7 +284,7 @@ def test_bf16_factor_buffer_layouts(entries):
     grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(2)]
     dense_sum = [grads[0][i] + grads[1][i] for i, (_, s) in enumerate(entries) if s[0] == 1]
     bufs, _ = comps[0].start([g.clone() for g in grads[0]])
-    assert [b.numel() * b.element_size() for b in bufs] == comps[0].first_collectives()
+    assert [b.numel() * b.element_size() for b in bufs] == comps[0].phase_bytes()[0]
     has_p, has_dense = bool(comps[0].groups), bool(comps[0].dense_indices)
     assert [b.dtype for b in bufs] == ([torch.bfloat16] if has_p else []) + (
         [torch.float32] if has_dense else [])
@@ -353,7 +352,7 @@ def test_in_place_finish_equals_the_textbook_products(rank):
         assert all(len(g.runs) == 1 for c in comps for g in c.groups.values())
         reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
         qs = [c.middle(step, [b.clone() for b in reduced]) for c, (_, step) in zip(comps, firsts)]
-        reduced_q = sum(qs)
+        (reduced_q,) = [sum(parts) for parts in zip(*qs)]
         expected = []
         for c, (_, step), gs in zip(comps, firsts, grads):
             off, want = 0, {}
@@ -366,7 +365,7 @@ def test_in_place_finish_equals_the_textbook_products(rank):
                              held - torch.bmm(step.p_hat[key], step.q_sent[key].transpose(1, 2)))
             expected.append(want)
         for c, (_, step), gs, want in zip(comps, firsts, grads, expected):
-            c.finish(step, reduced_q.clone())
+            c.finish(step, [reduced_q.clone()])
             for key, g in c.groups.items():
                 approx, residual = want[key]
                 assert torch.allclose(g.residual, residual, rtol=0, atol=2e-6)

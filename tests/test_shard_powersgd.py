@@ -65,7 +65,7 @@ class SlowHopCluster:
         for t in range(n):   # the instance's reduce-scatter of P
             if not shared:
                 break
-            summed = sum(started[t, k][0] for k in range(s)).view(s, -1)
+            summed = sum(started[t, k][0][0] for k in range(s)).view(s, -1)
             for k in range(s):
                 sent[t, k] = self.comps[t, k].to_send(summed[k].clone())
         gathered = {}
@@ -79,10 +79,10 @@ class SlowHopCluster:
                 gathered[t, k] = total
         second = {}
         for t in range(n):   # the instance's all-gather of P, then Q_b' = M_b P^
-            p_full = torch.cat([gathered[t, k] for k in range(s)]) if shared else \
-                torch.empty(0)
+            p_full = [torch.cat([gathered[t, k] for k in range(s)])] if shared else []
             for k in range(s):
-                second[t, k] = self.comps[t, k].middle(started[t, k][1], p_full.clone())
+                second[t, k] = self.comps[t, k].middle(started[t, k][1],
+                                                       [p.clone() for p in p_full])
         for k in range(s):   # the slow hop: [Q_b' | dense | flag]
             bufs = [sum(second[t, k][j].float() for t in range(n)).to(b.dtype)
                     for j, b in enumerate(second[0, k])]
@@ -206,7 +206,7 @@ def test_slow_hop_carries_own_rows_and_one_q_per_instance(s):
         dense = sum(pc.numel for pc in cluster.pieces[k] if not pc.row_block)
         expected = rows + dense + 1 + lq_padded // s
         assert cluster.slow_hop_numel[k] == expected == sum(comp.collective_numels())
-        assert sum(comp.first_collectives()) == 4 * expected
+        assert sum(comp.wire_bytes()) == 4 * expected
     # one column factor per instance: its elements on the slow hop do not grow with s
     assert sum(cluster.comps[0, k].collective_numels()[0] for k in range(s)) == lq_padded
 
@@ -271,7 +271,7 @@ def test_spectrum_is_the_instances_column_energies():
         summed = [sum(st[0][j] for st in started) for j in range(len(started[0][0]))]
         qs = [f.middle(st[1], summed) for f, st in zip(flats, started)]
         for f, st in zip(flats, started):
-            f.finish(st[1], sum(qs))
+            f.finish(st[1], [sum(parts) for parts in zip(*qs)])
     shard = {}
     for comp in cluster.comps.values():
         for shape, (total, cols, _) in comp.spectrum.items():
@@ -313,8 +313,8 @@ def test_a_shard_of_bucket_padding_takes_part():
     """A shard with no piece (only the bucket's padding) still runs both phases."""
     comp = ShardCompressor([], [], [("w", (64, 32))], 4, 2)
     assert comp.shares_factor() and comp.collective_numels() == (comp.slice_numel(), 1)
-    p_full, step = comp.start([])
+    (p_full,), step = comp.start([])
     assert p_full.abs().sum() == 0
-    bufs = comp.middle(step, p_full)
+    bufs = comp.middle(step, [p_full])
     comp.finish(step, bufs)
     assert [b.numel() for b in bufs] == [1] and bufs[0][0] == 0

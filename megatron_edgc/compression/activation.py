@@ -9,6 +9,11 @@ micro-batch's residual (lazy error propagation), does one warm-started power ite
 sends ``P^`` and ``Q`` (``(n + m)·r`` elements instead of ``n·m``) and keeps
 ``M - P^ Qᵀ`` as the next residual; the receiver rebuilds ``P^ Qᵀ``. No collective is
 involved: sender and receiver only have to agree on the rank (the caller's job).
+
+It is the flat step of one matrix on one rank, written with the same kernels
+(:mod:`megatron_edgc.compression.kernels`) and the same rank-growth rule
+(:func:`~megatron_edgc.compression.kernels.resized_warm_start`); its one temporary of the
+message's size is ``M`` in fp32 (the caller's gradient is left as it was).
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from typing import Optional
 
 import torch
 
-from megatron_edgc.compression.powersgd import orthonormalize, seeded_gaussian
+from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, resized_warm_start,
+                                               to_device)
+from megatron_edgc.compression.low_rank_state import LowRankState
+from megatron_edgc.compression.matrices import seeded_gaussian
+from megatron_edgc.compression.orthonormal import orthonormalize
 
 
 class ActivationGradSender:
@@ -27,49 +36,53 @@ class ActivationGradSender:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.rank, self.seed, self.name = rank, seed, name
-        self.q: Optional[torch.Tensor] = None
-        self.residual: Optional[torch.Tensor] = None
+        self.q: Optional[torch.Tensor] = None         # [m, r]
+        self.residual: Optional[torch.Tensor] = None  # [n, m], fp32
+        self._ef = ErrorFeedback(torch.float32, LowRankState.workspace_bytes)
+
+    def _seeded(self, tag: str, rows: int, cols: int) -> torch.Tensor:
+        return seeded_gaussian(self.seed, self.name, tag, rows, cols).unsqueeze(0)
 
     def set_rank(self, rank: int) -> None:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
-        if self.q is not None and rank != self.q.shape[1]:
-            if rank < self.q.shape[1]:
-                self.q = self.q[:, :rank].contiguous()
-            else:
-                extra = seeded_gaussian(self.seed, self.name, f"grow{self.q.shape[1]}-{rank}",
-                                        self.q.shape[0], rank - self.q.shape[1])
-                self.q = torch.cat([self.q, extra.to(self.q.device)], dim=1)
+        if self.q is not None:
+            m = self.q.shape[0]
+            self.q = resized_warm_start(self.q.unsqueeze(0), rank,
+                                        lambda tag, cols: self._seeded(tag, m, cols))[0]
         self.rank = rank
 
     def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``grad`` [..., hidden] → (P^ [n, r], Q [m, r]) in fp32; updates the residual.
 
-        Where ``grad`` plus the residual holds a NaN/Inf, the factors come back NaN (the
-        receiver's gradient becomes non-finite, as it would dense) and the residual and Q
-        keep their last finite values — decided on the device, with no host sync: the
-        power step always runs and ``torch.where`` selects (one pass over the residual).
+        Where ``grad`` plus the residual holds a NaN/Inf (``P`` is then non-finite), the
+        factors come back NaN (the receiver's gradient becomes non-finite, as it would
+        dense) and the residual and Q keep their last finite values — decided on the
+        device, with no host sync: the power step always runs and ``torch.where`` selects.
         """
         m_dim = grad.shape[-1]
-        mat = grad.reshape(-1, m_dim).float()
-        owed = self.residual if self.residual is not None \
-            and self.residual.shape == mat.shape else None
-        if owed is not None:
-            mat = mat + owed
-        r = min(self.rank, *mat.shape)
+        mat = grad.reshape(-1, m_dim)
+        # M is formed in an fp32 copy (the caller's gradient stays as it was); a bf16
+        # gradient is read slice by slice instead (ErrorFeedback.blocks)
+        mat = mat.clone() if mat.dtype == torch.float32 else mat
+        n = mat.shape[0]
+        r = min(self.rank, n, m_dim)
         if self.q is None or self.q.shape != (m_dim, r):
-            self.q = seeded_gaussian(self.seed, self.name, "init", m_dim, r).to(mat.device)
-        bad = torch.isfinite(mat).all().logical_not()
-        p_hat = orthonormalize(mat @ self.q)
-        q = mat.T @ p_hat
-        residual = mat - p_hat @ q.T
-        if owed is None:
-            self.residual = residual.masked_fill_(bad, 0.0)
-        else:
-            self.residual = torch.where(bad, owed, residual, out=residual)
-        self.q = torch.where(bad, self.q, q)
+            self.q = to_device(self._seeded("init", m_dim, r)[0], mat.device)
+        if self.residual is None or self.residual.shape != (n, m_dim):
+            self.residual = torch.zeros(n, m_dim, device=mat.device)
+        g = ShapeGroup(n, m_dim, [0], [self.name], q=self.q.unsqueeze(0),
+                       residual=self.residual.unsqueeze(0))
+        views = self._ef.views(g, [mat])
+        self._ef.form(g, views)
+        p = self._ef.project(g, views, g.q, transposed=False)
+        bad = torch.isfinite(p).all().logical_not().view(1)
+        p_hat = orthonormalize(p)
+        q = self._ef.project(g, views, p_hat, transposed=True)
+        self._ef.finish(g, views, bad, (p_hat, q), None)   # E = M - P^ Qᵀ where finite
+        self.q = torch.where(bad, self.q, q[0])
         nan = float("nan")
-        return p_hat.masked_fill(bad, nan), q.masked_fill(bad, nan)
+        return p_hat[0].masked_fill(bad, nan), q[0].masked_fill(bad, nan)
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "q": self.q, "residual": self.residual}

@@ -40,7 +40,10 @@ non-finite, decompress NaN). The second phase's flag adds an overflow of the row
 by the owners of that shard together, the other shards go on. A bucket with no
 compressed matrix skips the first phase: its shards' dense rests are all it sends.
 
-Pure tensors: :mod:`megatron_edgc.patches.ddp` issues the collectives, in this order.
+Pure tensors, the contract of :class:`~megatron_edgc.compression.low_rank_state.LowRankState`:
+``start`` gives ``[[L | flag]]`` for the instance's reduce-scatter, :meth:`ShardCompressor.to_send`
+the slice that crosses, ``middle`` takes the all-gathered ``[P]`` and gives the second
+phase's buffers, ``finish`` takes them summed. The DP patch issues the collectives.
 """
 
 from __future__ import annotations
@@ -49,12 +52,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_edgc.compression.powersgd import (BucketCompressor, ShapeGroup, _Step,
-                                                seeded_gaussian)
+from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
+                                               local_factor, split_factors)
+from megatron_edgc.compression.low_rank_state import LowRankState
+from megatron_edgc.compression.matrices import seeded_gaussian
+from megatron_edgc.compression.orthonormal import orthonormalize
 
 
-class ShardCompressor(BucketCompressor):
-    """PowerSGD with error feedback on one rank's shard of a bucket (module docstring).
+class ShardCompressor(LowRankState):
+    """PowerSGD with error feedback on one rank's shard of a bucket, the shared factor on
+    the columns' side (module docstring).
 
     ``entries``: this rank's pieces ``(name, (rows, m))``; ``parents``: per entry
     ``(matrix name, matrix rows, first row)`` for a row block of a matrix, None for a piece
@@ -129,6 +136,7 @@ class ShardCompressor(BucketCompressor):
             for matrix in names:
                 hat_at[matrix] = offset
                 offset += m * r
+
         def index(starts: list, size: int) -> torch.Tensor:
             """``[len(starts) * size]`` flat indices ``start + arange(size)``."""
             base = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
@@ -154,15 +162,7 @@ class ShardCompressor(BucketCompressor):
 
     def fresh(self, rank: int) -> "ShardCompressor":
         return ShardCompressor(self.entries, self.parents, self.matrices, self.instance_size,
-                               rank, min_compression_rate=self.min_compression_rate,
-                               seed=self.seed, device=self.device,
-                               factor_dtype=self.factor_dtype, ef_dtype=self.ef_dtype)
-
-    def local_step(self, grads: Sequence[torch.Tensor]) -> None:
-        """One step's math, every collective left out (what the bypass's cost model
-        times)."""
-        p_full, step = self.start(grads)
-        self.finish(step, self.middle(step, p_full))
+                               rank, **self._settings())
 
     # ------------------------------------------------------------------ sizes
 
@@ -176,40 +176,29 @@ class ShardCompressor(BucketCompressor):
         instances)."""
         return self._layout()["length"] // self.instance_size
 
+    def second_layout(self) -> WireLayout:
+        """The buffers across instances after the slice: ``[Q_b'... | dense | flag]``."""
+        rows = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
+        return WireLayout(rows, self._dense_numel_sent(), self.factor_dtype)
+
+    def phase_bytes(self) -> tuple[list, list]:
+        """Bytes across instances: the ``P`` slice (factor dtype), then the second phase."""
+        first = [self.slice_numel() * self._factor_size()] if self.shares_factor() else []
+        return first, self.second_layout().bytes()
+
     def collective_numels(self) -> tuple[int, int]:
         """Elements across instances: the ``P`` slice, and ``[Q_b' | dense | flag]``."""
-        rows = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
-        dense = sum(self.entries[i][1][0] * self.entries[i][1][1] for i in self.dense_indices)
-        return self.slice_numel(), rows + dense + 1
-
-    def first_collectives(self) -> list:
-        """Bytes of every collective across instances, in order: the ``P`` slice (factor
-        dtype), then the second phase's buffers as :meth:`_pack` makes them."""
-        size = self._factor_size()
-        first = [self.slice_numel() * size] if self.shares_factor() else []
-        _, second = self.collective_numels()
-        rows = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
-        dense = second - 1 - rows
-        if self.factor_dtype == torch.float32:
-            return first + [second * 4]
-        if not dense:
-            return first + [(rows + 1) * size]
-        return first + ([rows * size] if rows else []) + [(dense + 1) * 4]
-
-    def collective_bytes(self) -> tuple[int, int]:
-        """All the bytes across instances as the first figure (:meth:`first_collectives`
-        lists them), none in a separate second phase."""
-        return sum(self.first_collectives()), 0
+        second = self.second_layout()
+        return self.slice_numel(), second.factors + second.dense + 1
 
     # ------------------------------------------------------------------ one step
 
-    def start(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, _Step]:
+    def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, Step]:
         """``G += E`` in the gradients and ``P_b = M_bᵀ Q_b`` of every block, each at its
-        matrix's place in ``[L]`` (fp32, zeros where this rank holds no rows): for the
-        instance's reduce-scatter. The compressor's state is not changed until
-        :meth:`finish`."""
-        assert len(grads) == len(self.entries)
-        step = _Step(grads=list(grads))
+        matrix's place in ``[L | flag]`` (fp32, zeros where this rank holds no rows): the
+        one buffer of the instance's reduce-scatter (none when :meth:`shares_factor` is
+        false). The compressor's state is not changed until :meth:`finish`."""
+        step = self._new_step(grads)
         device = grads[0].device if grads else self.device   # a shard of bucket padding
         lay = self._layout()
         p_full = torch.zeros(lay["length"], device=device)
@@ -217,82 +206,61 @@ class ShardCompressor(BucketCompressor):
         if step.dense and lay["length"]:   # a NaN in the dense rest: every rank knows
             p_full[lay["flag_at"]] = torch.isfinite(torch.cat(step.dense)).all().logical_not()
         for key, g in self.groups.items():
-            if g.q is None:
-                self._init_group(g, device)
-            k, r = len(g.indices), self._rank_for(g)
-            views = step.views[key] = self._views(g, grads)
-            self._form_in_place(g, views)
-            p = torch.empty(k, g.m, r, device=device)
-            for a, b, m, _ in self._m_blocks(g, views):
-                torch.bmm(m.transpose(1, 2), g.q[a:b], out=p[a:b])
+            views = step.views[key] = self.ef.views(g, grads)
+            self.ef.form(g, views)
+            p = self.ef.project(g, views, g.q, transposed=True)
             p_full.index_copy_(0, lay["groups"][key][0], p.view(-1))
-        return p_full, step
+        return ([p_full] if lay["length"] else []), step
 
     def to_send(self, own: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the instance's ``P`` (the reduce-scatter's output) as it
         goes across instances: in the factor dtype."""
         return own.to(self.factor_dtype, copy=True)
 
-    def middle(self, step: _Step, p_full: torch.Tensor) -> list:
-        """After the all-gather of the summed slices (``p_full``: ``[L]``, every matrix's
-        ``P``): orthonormalize the matrices this rank cuts, ``Q_b' = M_b P^``; returns the
-        buffers to SUM across instances, ``[Q_b'... | dense | flag]`` (:meth:`_pack`), the
-        flag also set where ``P`` is non-finite."""
+    def middle(self, step: Step, gathered: Sequence[torch.Tensor]) -> list:
+        """After the all-gather of the summed slices (``gathered``: ``[[L]]``, every
+        matrix's ``P``, or nothing): orthonormalize the matrices this rank cuts,
+        ``Q_b' = M_b P^``; returns the buffers to SUM across instances,
+        ``[Q_b'... | dense | flag]``, the flag also set where ``P`` is non-finite."""
         lay = self._layout()
-        device = p_full.device
-        p_full = p_full.float()
-        hats = []
-        for m, r, index in lay["batches"]:
-            p = p_full[index]
-            hats.append(self.orthonormalize(p.view(-1, m, r)).reshape(-1))
+        device = gathered[0].device if gathered else self.device
+        p_full = gathered[0].float() if gathered else torch.empty(0, device=device)
+        hats = [orthonormalize(p_full[index].view(-1, m, r)).reshape(-1)
+                for m, r, index in lay["batches"]]
         p_hat_all = torch.cat(hats) if hats else p_full[:0]
-        q_parts = []
+        wire = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
-            p_hat = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
-            step.p_hat[key] = p_hat
-            q_local = torch.empty(k, g.n, r, device=device)
-            for a, b, m, _ in self._m_blocks(g, step.views[key]):
-                torch.bmm(m, p_hat[a:b], out=q_local[a:b])
-            step.q_local[key] = q_local
-            step.q_sent[key] = q_local if self.factor_dtype == torch.float32 else \
-                q_local.to(self.factor_dtype).float()
-            q_parts.append(q_local.view(-1))
+            p_hat = step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
+            q_local = step.q_local[key] = self.ef.project(g, step.views[key], p_hat,
+                                                          transposed=False)
+            step.q_sent[key], _ = local_factor(q_local, self.factor_dtype)
+            wire.append(q_local.view(-1))
         # a non-finite P, or a shard's flag (summed into its slot): every rank sees both
         p_bad = None
         if p_full.numel():
             p_bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
-        return self._pack(q_parts, step.dense, device, also_nonfinite=p_bad)
+        return self.second_layout().pack(wire, step.dense, device, also_nonfinite=p_bad)
 
-    def finish(self, step: _Step, reduced: Sequence[torch.Tensor]) -> None:
+    def finish(self, step: Step, reduced: Sequence[torch.Tensor]) -> None:
         """After the SUM of :meth:`middle`'s buffers across instances: the residual
         ``E_b = M_b - Q_b' P^ᵀ`` selected into ``E``, ``(Σ_t Q_b') P^ᵀ`` into the
         gradients and into the warm start, the dense rest into its gradients. Where the
         flag is set the gradients are NaN and ``E``, ``Q_b`` keep their values."""
-        bad = reduced[-1][-1:] > 0
+        q_buf, dense, bad = self.second_layout().unpack(reduced)
         step.nonfinite = bad
-        q_buf, offset = reduced[0], 0
-        for key, g in self.groups.items():
-            k, r = len(g.indices), self._rank_for(g)
-            q = q_buf[offset:offset + k * g.n * r].view(k, g.n, r).float()
-            offset += k * g.n * r
-            q = q.masked_fill(bad, float("nan"))
+        shapes = [(len(g.indices), g.n, self._rank_for(g)) for g in self.groups.values()]
+        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
             p_hat = step.p_hat[key]
             # the spectrum: column j of Q_b' = M_b p^_j, its energy summed over the blocks
             # is the instance's ‖M_t p^_j‖²
-            self._finish_group(key, g, step, bad, (step.q_sent[key], p_hat), (q, p_hat),
-                               (g.full_n, g.m))
+            energy = self.ef.finish(g, step.views[key], bad, (step.q_sent[key], p_hat),
+                                    (q, p_hat), energy=self.track_spectrum)
+            if self.track_spectrum:
+                self._add_spectrum((g.full_n, g.m), energy, step.q_local[key], bad)
+            step.views[key] = None
             g.q = torch.where(bad, g.q, q)
-        split = len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.groups)
-        dense_buf = reduced[-1]
-        if split:
-            assert offset == (q_buf.numel() if len(reduced) > 1 else 0)
-            offset = 0
-        for i in self.dense_indices:
-            grad = step.grads[i]
-            grad.copy_(dense_buf[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-        assert offset == dense_buf.numel() - 1
+        copy_dense_back(step.grads, self.dense_indices, dense)
 
 
 def shard_compressor_inputs(pieces, matrices) -> tuple[list, list]:

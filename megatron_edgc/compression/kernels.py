@@ -1,0 +1,293 @@
+"""The PowerSGD step's kernels, written once for the flat, the slow-hop and the pipeline
+compressors (EDGC §1; Vogels et al., NeurIPS 2019).
+
+A step has the same pieces whichever side the shared factor is on:
+
+* the error feedback ``M = G + E``, formed in the gradient buffer, or slice by slice in
+  fp32 from a low-precision one (:class:`ErrorFeedback`);
+* the products ``M B`` or ``Mᵀ B`` over the strided runs of a shape group
+  (:meth:`ErrorFeedback.project`, ``transposed`` says which);
+* the orthonormalization (:func:`~megatron_edgc.compression.orthonormal.orthonormalize`);
+* the local factor as it goes on the wire, with its rounding to the factor dtype
+  (:func:`local_factor`);
+* the packing of a phase's buffers and the split of the summed ones (:class:`WireLayout`,
+  whose :meth:`~WireLayout.bytes` are the byte counts: one object packs and counts);
+* the residual and the decompression written over ``M`` (:meth:`ErrorFeedback.finish`);
+* the dense rest copied back (:func:`copy_dense_back`).
+
+The flat bucket compresses ``M ≈ P^ Qᵀ`` with ``P = M Q`` (the rows' side); a shard of
+the slow hop ``M ≈ Q P^ᵀ`` with ``P = Mᵀ Q`` (the columns' side); the pipeline's sender is
+the flat step of one matrix with no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_edgc.compression.matrices import run_view, strided_runs
+
+
+@dataclass
+class ShapeGroup:
+    """All compressed matrices of one shape in a bucket, batched."""
+
+    n: int
+    m: int
+    indices: list  # positions in the bucket's entry list
+    names: list
+    #: the rows of the whole matrix each entry is a row block of (a shard's row blocks);
+    #: ``n`` for whole matrices. The rank and the compressibility follow the whole matrix.
+    full_n: int = 0
+    #: the names the warm start is seeded by (the whole matrices'); ``names`` when empty
+    seed_names: list = field(default_factory=list)
+    q: Optional[torch.Tensor] = None          # [k, m, r] warm start ([k, n, r] on a shard)
+    residual: Optional[torch.Tensor] = None   # [k, n, m] error feedback (ef_dtype)
+    runs_key: Optional[tuple] = None          # the gradient addresses the runs were made for
+    runs: Optional[list] = None               # strided_runs() of those addresses
+
+
+@dataclass
+class Step:
+    """What travels from a compressor's ``start`` to its ``finish`` within one step."""
+
+    grads: list
+    views: dict = field(default_factory=dict)  # group key -> [(lo, hi, gradients view), ...]
+    p_hat: dict = field(default_factory=dict)  # group key -> orthonormal shared factor
+    q_local: dict = field(default_factory=dict)  # group key -> this rank's other factor
+    q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
+    nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
+    dense: list = field(default_factory=list)    # the dense rest, flat (the slow hop)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``: pinned and non-blocking to a GPU (the copy does not
+    wait for the host)."""
+    if device is None or torch.device(device).type != "cuda":
+        return host if device is None else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """The buffers of one phase: ``[factors | dense | flag]`` in fp32, or with
+    low-precision factors ``[factors]`` (factor dtype) and ``[dense | flag]`` (fp32),
+    either absent when empty (the flag then rides with the factors: it sums exactly in
+    bf16 up to 256). ``flag=False``: no flag slot (the flat step's ``Q`` phase)."""
+
+    factors: int
+    dense: int
+    factor_dtype: torch.dtype
+    flag: bool = True
+
+    def buffers(self) -> list:
+        """``[(numel, dtype)]`` of each buffer, in the order :meth:`pack` returns them."""
+        f = int(self.flag)
+        if self.factor_dtype == torch.float32:
+            total = self.factors + self.dense + f
+            return [(total, torch.float32)] if total else []
+        if not self.dense:
+            total = self.factors + f
+            return [(total, self.factor_dtype)] if total else []
+        return ([(self.factors, self.factor_dtype)] if self.factors else []) + \
+            [(self.dense + f, torch.float32)]
+
+    def bytes(self) -> list:
+        """Bytes of each collective of the phase (what :meth:`pack` puts on the wire)."""
+        return [numel * dtype_bytes(dtype) for numel, dtype in self.buffers()]
+
+    def pack(self, factor_parts: list, dense_parts: list, device,
+             also_nonfinite: Optional[torch.Tensor] = None) -> list:
+        """The phase's buffers from flat parts; the flag is 1 where a payload (after the
+        cast to the factor dtype, which may overflow) is non-finite, or where
+        ``also_nonfinite`` is set. Decided on the device."""
+        factor_parts = [part.to(self.factor_dtype) for part in factor_parts]
+        if not self.flag:
+            return [torch.cat(factor_parts)] if self.factors else []
+        flag = torch.zeros(1, device=device)
+        if self.factor_dtype == torch.float32:
+            bufs = [torch.cat(factor_parts + dense_parts + [flag])]
+        elif not self.dense:
+            bufs = [torch.cat(factor_parts + [flag.to(self.factor_dtype)])]
+        else:
+            bufs = ([torch.cat(factor_parts)] if factor_parts else []) + \
+                [torch.cat(dense_parts + [flag])]
+        payloads = bufs[:-1] + [bufs[-1][:-1]]
+        finite = torch.stack([torch.isfinite(b).all() for b in payloads]).all()
+        if also_nonfinite is not None:
+            finite = finite & also_nonfinite.logical_not()
+        bufs[-1][-1] = finite.logical_not()
+        return bufs
+
+    def unpack(self, reduced: Sequence[torch.Tensor]) -> tuple:
+        """``(factors, dense, nonfinite)`` of the summed buffers: flat views (``dense``
+        empty where there is none) and a bool ``[1]`` (None without a flag slot)."""
+        assert [b.numel() for b in reduced] == [n for n, _ in self.buffers()]
+        if not reduced:
+            return torch.empty(0), torch.empty(0), None
+        first, last = reduced[0], reduced[-1]
+        factors = first[:self.factors]
+        if len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.factors):
+            dense = last[:self.dense]
+        else:
+            dense = first[self.factors:self.factors + self.dense]
+        return factors, dense, (last[-1:] > 0) if self.flag else None
+
+
+def split_factors(buf: torch.Tensor, shapes: Sequence[tuple],
+                  bad: Optional[torch.Tensor] = None) -> list:
+    """The per-group ``[k, rows, r]`` fp32 factors of a summed flat buffer (``shapes``:
+    ``(k, rows, r)`` in order); where ``bad`` is set each is a new tensor of NaN."""
+    out, offset = [], 0
+    for k, rows, r in shapes:
+        x = buf[offset:offset + k * rows * r].view(k, rows, r).float()
+        offset += k * rows * r
+        out.append(x if bad is None else x.masked_fill(bad, float("nan")))
+    assert offset == buf.numel()
+    return out
+
+
+def local_factor(q_local: torch.Tensor, factor_dtype: torch.dtype) -> tuple:
+    """``(as sent, in fp32; on the wire)`` of this rank's local factor: the residual is
+    taken against the rounded factor the rank actually sent, so its own rounding to the
+    factor dtype is fed back."""
+    if factor_dtype == torch.float32:
+        return q_local, q_local
+    wire = q_local.to(factor_dtype)
+    return wire.float(), wire
+
+
+def copy_dense_back(grads: Sequence[torch.Tensor], dense_indices: Sequence[int],
+                    dense: torch.Tensor) -> None:
+    """The summed dense rest into its gradients, in order."""
+    offset = 0
+    for i in dense_indices:
+        grad = grads[i]
+        grad.copy_(dense[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    assert offset == dense.numel()
+
+
+class ErrorFeedback:
+    """Error feedback in the gradient buffer, and the products and the end of a step that
+    read ``M`` through it.
+
+    fp32 gradient runs hold ``M = G + E`` from :meth:`form` to :meth:`finish`. Runs in
+    another dtype (bf16 buffers, ``--grad-reduce-in-bf16``) keep ``G``; :meth:`blocks`
+    forms ``M = float(G) + E`` per slice within half of ``workspace_bytes``, so products
+    and residual are the fp32 ones and only the result written back is rounded. A
+    residual in another dtype than fp32 (``ef_dtype``) is cast per slice likewise.
+    """
+
+    def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):
+        self.ef_dtype = ef_dtype
+        self.workspace_bytes = workspace_bytes
+
+    @staticmethod
+    def views(g: ShapeGroup, grads: Sequence[torch.Tensor]) -> list:
+        """``[(lo, hi, view [hi - lo, n, m])...]``: the group's gradients as strided views
+        of their buffer, in the gradients' dtype (a matrix that is not contiguous is a run
+        of its own, ``[1, n, m]``). No copy."""
+        mats = [grads[i] for i in g.indices]
+        if not all(t.is_contiguous() for t in mats):
+            return [(j, j + 1, t.unsqueeze(0)) for j, t in enumerate(mats)]
+        key = tuple(t.data_ptr() for t in mats)
+        if key != g.runs_key:
+            g.runs_key, g.runs = key, strided_runs(mats, g.n, g.m)
+        return [(lo, hi, run_view(mats[lo], hi - lo, step, g.n, g.m))
+                for lo, hi, step in g.runs]
+
+    @property
+    def temporaries(self) -> int:
+        """fp32 temporaries the residual's dtype adds per slice (a cast copy, a result),
+        counted twice: slices take half the workspace, the rest is the allocator's slack
+        (at a full workspace the peak crossed the bound in 1 run of 6)."""
+        return 0 if self.ef_dtype == torch.float32 else 4
+
+    def slices(self, lo: int, hi: int, g: ShapeGroup, temporaries: int) -> list:
+        """``[(lo, hi)]`` covering a run: the whole run when nothing needs an fp32
+        temporary (``temporaries=0``); otherwise slices whose ``temporaries`` fp32 copies
+        stay within the workspace (one matrix is the least a slice holds)."""
+        if not temporaries:
+            return [(lo, hi)]
+        per = max(1, self.workspace_bytes // (temporaries * g.n * g.m * 4))
+        return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
+
+    def form(self, g: ShapeGroup, views: list) -> None:
+        """``G += E`` in the fp32 runs; runs in another dtype keep ``G``."""
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                for a, b in self.slices(lo, hi, g, self.temporaries):
+                    view[a - lo:b - lo].add_(g.residual[a:b])
+
+    def blocks(self, g: ShapeGroup, views: list):
+        """``(a, b, M, target)``: ``M`` ([b - a, n, m], fp32) of matrices ``a..b``; an fp32
+        run holds ``M`` itself (``target`` None), another dtype gives ``M = float(G) + E``
+        per slice and ``target``, the slice that takes the result. Each phase forms it
+        again instead of holding a copy of the gradients."""
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                yield lo, hi, view, None
+                continue
+            # two slices of M live at once (the caller holds one while the next forms)
+            for a, b in self.slices(lo, hi, g, 4 + self.temporaries):
+                target = view[a - lo:b - lo]
+                m = target.float()
+                m.add_(g.residual[a:b])
+                yield a, b, m, target
+
+    def project(self, g: ShapeGroup, views: list, basis: torch.Tensor,
+                transposed: bool) -> torch.Tensor:
+        """``M B`` (``transposed=False``, ``[k, n, r]``) or ``Mᵀ B`` (``[k, m, r]``) of
+        every matrix of the group, one ``bmm`` per run into one output."""
+        rows = g.m if transposed else g.n
+        out = torch.empty(len(g.indices), rows, basis.shape[2], device=basis.device)
+        for a, b, m, _ in self.blocks(g, views):
+            torch.bmm(m.transpose(1, 2) if transposed else m, basis[a:b], out=out[a:b])
+        return out
+
+    def finish(self, g: ShapeGroup, views: list, bad: torch.Tensor, sent: tuple,
+               result: Optional[tuple], energy: bool = False) -> Optional[torch.Tensor]:
+        """The end of a step per run, in the gradient buffer (which holds ``M``):
+        ``M -= A Bᵀ`` with ``(A, B) = sent`` (the new residual), selected into ``E`` where
+        ``bad`` is not set, then ``C Dᵀ`` with ``(C, D) = result`` written over it (in the
+        gradients' dtype; ``result=None`` leaves it). ``energy``: returns ``Σ‖M‖²`` (float64,
+        read before ``M`` becomes the residual)."""
+        total = None
+        ef_temps = self.temporaries
+        for lo, hi, m, target in self.blocks(g, views):
+            if energy:
+                part = torch.linalg.vector_norm(m).double() ** 2
+                total = part if total is None else total + part
+            m.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
+            for a, b in self.slices(lo, hi, g, ef_temps if target is None else 0):
+                if self.ef_dtype == torch.float32:
+                    torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
+                else:
+                    g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
+                                                      m[a - lo:b - lo]))
+            if result is None:
+                continue
+            m.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
+            if target is not None:  # the one rounding of a low-precision buffer
+                target.copy_(m)
+        return total
+
+
+def resized_warm_start(q: torch.Tensor, rank: int, seeded) -> torch.Tensor:
+    """A warm start ``[k, rows, r]`` at another rank: trailing columns dropped, or seeded
+    ones appended (``seeded(tag, cols)`` gives ``[k, rows, cols]`` on the host, the same on
+    every rank; tag ``grow{r}-{rank}``), so a rank change keeps what was learnt."""
+    r_old = q.shape[2]
+    if rank < r_old:
+        return q[:, :, :rank].contiguous()
+    if rank > r_old:
+        extra = to_device(seeded(f"grow{r_old}-{rank}", rank - r_old), q.device)
+        return torch.cat([q, extra], dim=2)
+    return q

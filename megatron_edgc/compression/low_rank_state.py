@@ -1,0 +1,310 @@
+"""What PowerSGD keeps per bucket between steps: the shape groups, their ranks, warm starts
+and error-feedback residuals, their sizes on the wire, and their checkpoint.
+
+:class:`LowRankState` is the common part of the flat compressor
+(:class:`~megatron_edgc.compression.powersgd.BucketCompressor`) and the slow hop's
+(:class:`~megatron_edgc.compression.shard_powersgd.ShardCompressor`). Both have one
+contract: ``start(grads) -> (buffers, step)``, ``middle(step, reduced) -> buffers``,
+``finish(step, reduced)``, each list of buffers one collective each, and
+:meth:`wire_bytes`, the bytes of every collective on the compressed group in order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, Step, dtype_bytes,
+                                               resized_warm_start, to_device)
+from megatron_edgc.compression.matrices import is_compressible, seeded_gaussian
+
+
+class LowRankState:
+    """Shape groups, ranks, warm starts and residuals of one bucket (module docstring).
+
+    ``entries`` lists the bucket's gradients as ``(name, (n, m))`` in a fixed order; every
+    call then passes the gradients as matrix views in that order.
+    """
+
+    #: Bound on the fp32 temporaries of a step: the mixed-dtype error feedback and the
+    #: slices of ``M`` formed from low-precision gradients (:class:`ErrorFeedback`).
+    workspace_bytes = 64 << 20
+
+    def __init__(self, entries: Sequence[tuple[str, tuple[int, int]]], rank: int, *,
+                 min_compression_rate: float = 2.0, seed: int = 0,
+                 compress_all: bool = False, device=None,
+                 factor_dtype: torch.dtype = torch.float32,
+                 ef_dtype: torch.dtype = torch.float32):
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.entries = [(name, (int(n), int(m))) for name, (n, m) in entries]
+        self.min_compression_rate = min_compression_rate
+        self.seed = seed
+        self.compress_all = compress_all  # tests: compress every matrix, even at full rank
+        self.device = device
+        self.factor_dtype = factor_dtype  # factors on the wire; all math in fp32
+        self.ef_dtype = ef_dtype          # the residual kept between steps
+        self.ef = ErrorFeedback(ef_dtype, self.workspace_bytes)
+        self.rank = rank
+        self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
+        #: When set, ``finish`` adds each group's captured energy per basis column to
+        #: :attr:`spectrum` (the budget controller's measured error curves): per shape
+        #: ``[Σ‖M‖², Σ column energies, steps]`` as float64 / int64 tensors on the device.
+        self.track_spectrum = False
+        self.spectrum: dict[tuple[int, int], list] = {}
+        self.groups: dict[tuple, ShapeGroup] = {}
+        self.dense_indices: list[int] = []
+        self._pending_flush: dict[str, torch.Tensor] = {}  # residuals of matrices gone dense
+        self._plan()
+
+    # ------------------------------------------------------------------ planning
+
+    def rank_of_shape(self, n: int, m: int) -> int:
+        return self.shape_ranks.get((n, m), self.rank)
+
+    def _compressible(self, n: int, m: int) -> bool:
+        if self.compress_all:
+            return n > 1 and m > 1
+        return n > 1 and is_compressible(n, m, self.rank_of_shape(n, m), self.min_compression_rate)
+
+    def _rank_for(self, g: ShapeGroup) -> int:
+        n = g.full_n or g.n
+        return min(self.rank_of_shape(n, g.m), n, g.m)
+
+    def _entry_group(self, i: int, name: str, n: int, m: int) -> Optional[tuple]:
+        """``(group key, whole matrix rows, warm-start seed name)`` of entry ``i``, or None
+        when it is sent dense. A subclass whose entries are row blocks overrides it."""
+        if not self._compressible(n, m):
+            return None
+        return (n, m), n, name
+
+    def _plan(self) -> None:
+        old = {name: (g, j) for g in self.groups.values() for j, name in enumerate(g.names)}
+        groups: dict[tuple, ShapeGroup] = {}
+        dense = []
+        for i, (name, (n, m)) in enumerate(self.entries):
+            found = self._entry_group(i, name, n, m)
+            if found is None:
+                dense.append(i)
+                continue
+            key, full_n, seed_name = found
+            g = groups.setdefault(key, ShapeGroup(n, m, [], [], full_n))
+            g.indices.append(i)
+            g.names.append(name)
+            g.seed_names.append(seed_name)
+        # Carry Q and residuals of matrices that stay compressed.
+        previous = {tuple(g.names): g for g in self.groups.values()}
+        for g in groups.values():
+            same = previous.get(tuple(g.names))
+            if same is not None:  # the same matrices in the same order: keep the tensors
+                g.q, g.residual = same.q, same.residual
+                continue
+            if not g.names or not all(name in old for name in g.names):
+                continue
+            qs, es = [], []
+            for name in g.names:
+                og, j = old[name]
+                if og.q is None:
+                    break
+                qs.append(og.q[j])
+                es.append(og.residual[j])
+            else:
+                g.q = torch.stack(qs)
+                g.residual = torch.stack(es)
+        # Matrices that fall back to dense hand their residual back once (nothing is lost).
+        for name, (og, j) in old.items():
+            if og.residual is not None and not any(name in g.names for g in groups.values()):
+                self._pending_flush[name] = og.residual[j].clone()
+        self.groups = groups
+        self.dense_indices = dense
+
+    def set_rank(self, rank: int, shape_ranks: Optional[dict] = None) -> None:
+        """Change the rank (``shape_ranks``: per matrix shape ``(n, m)``, overriding
+        ``rank``): Q loses trailing columns or gains seeded ones; E is kept."""
+        shape_ranks = {tuple(k): int(v) for k, v in (shape_ranks or {}).items()}
+        if rank < 1 or any(v < 1 for v in shape_ranks.values()):
+            raise ValueError(f"rank must be >= 1, got {rank}, {shape_ranks}")
+        if rank == self.rank and shape_ranks == self.shape_ranks:
+            return
+        self.rank = rank
+        self.shape_ranks = shape_ranks
+        self._plan()
+        for g in self.groups.values():
+            if g.q is not None:
+                g.q = resized_warm_start(g.q, self._rank_for(g),
+                                         lambda tag, cols, g=g: self._seeded(g, tag, cols))
+
+    def prepare(self, device=None) -> None:
+        """Allocate the warm start and the residual of every group that has none, outside
+        the step (the seeded ``Q`` is made on the host and copied pinned, non-blocking):
+        the driver calls it before backward, so no step seeds inside backward."""
+        device = device if device is not None else self.device
+        for g in self.groups.values():
+            if g.q is None:
+                self._init_group(g, device)
+
+    def matrix_shapes(self) -> list:
+        """``(n, m)`` of the bucket's matrices (the budget controller's view)."""
+        return [shape for _, shape in self.entries]
+
+    def _settings(self) -> dict:
+        return dict(min_compression_rate=self.min_compression_rate, seed=self.seed,
+                    device=self.device, factor_dtype=self.factor_dtype,
+                    ef_dtype=self.ef_dtype)
+
+    def local_step(self, grads: Sequence[torch.Tensor]) -> None:
+        """One step's math with every collective left out (what the bypass's cost model
+        times): each phase's buffers stand for their sum."""
+        bufs, step = self.start(grads)
+        self.finish(step, self.middle(step, bufs))
+
+    # ------------------------------------------------------------------ sizes
+
+    def _factor_size(self) -> int:
+        return dtype_bytes(self.factor_dtype)
+
+    def wire_bytes(self) -> list:
+        """Bytes of every collective on the compressed group (DP, or across instances),
+        in the order the step issues them (the bypass prices each one's latency)."""
+        return [b for phase in self.phase_bytes() for b in phase]
+
+    def collective_bytes(self) -> tuple[int, int]:
+        """Bytes of the two phases on the compressed group."""
+        first, second = self.phase_bytes()
+        return sum(first), sum(second)
+
+    def compressed_numel(self) -> int:
+        """Elements of the two collectives together."""
+        return sum(self.collective_numels())
+
+    def state_bytes(self) -> int:
+        """What stays between steps: residuals (``ef_dtype``) and warm-start Q (fp32)."""
+        ef = dtype_bytes(self.ef_dtype)
+        return sum(len(g.indices) * (g.n * g.m * ef + self._q_shape(g)[0] * self._rank_for(g) * 4)
+                   for g in self.groups.values())
+
+    def dense_numel(self) -> int:
+        return sum(n * m for _, (n, m) in self.entries)
+
+    def _dense_numel_sent(self) -> int:
+        return sum(self.entries[i][1][0] * self.entries[i][1][1] for i in self.dense_indices)
+
+    # ------------------------------------------------------------------ state of a step
+
+    def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
+        """``[k, m, cols]`` seeded Gaussians of the group's warm start (per matrix, the
+        same on every rank): the first ``Q``, or columns added when the rank grows."""
+        return torch.stack([seeded_gaussian(self.seed, name, tag, g.m, cols)
+                            for name in g.seed_names])
+
+    def _q_shape(self, g: ShapeGroup) -> tuple:
+        """The shape of one matrix's warm start ``Q``."""
+        return (g.m, self._rank_for(g))
+
+    def _init_group(self, g: ShapeGroup, device) -> None:
+        g.q = to_device(self._seeded(g, "init", self._rank_for(g)), device)
+        g.residual = torch.zeros(len(g.names), g.n, g.m, dtype=self.ef_dtype, device=device)
+
+    def _new_step(self, grads: Sequence[torch.Tensor]) -> Step:
+        """A step over ``grads``, every group's state allocated (:meth:`prepare` did it,
+        unless the caller drives the compressor itself)."""
+        assert len(grads) == len(self.entries)
+        if any(g.q is None for g in self.groups.values()):
+            self.prepare(grads[0].device if grads else self.device)
+        return Step(grads=list(grads))
+
+    def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
+        """The uncompressed gradients, flat fp32, a matrix's residual handed back once
+        when it fell back to dense (nothing is lost)."""
+        parts = []
+        for i in self.dense_indices:
+            self._flush_into(i, grads[i])
+            parts.append(grads[i].float().reshape(-1))
+        return parts
+
+    def _flush_into(self, i: int, grad: torch.Tensor) -> None:
+        name = self.entries[i][0]
+        if name in self._pending_flush:
+            grad.add_(self._pending_flush.pop(name).view_as(grad).to(grad.dtype))
+
+    def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,
+                      bad: torch.Tensor) -> None:
+        """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of the local factor, steps]``
+        for one group, on the device (``total``: ``Σ‖M‖²`` in float64; a step whose
+        ``bad`` flag is set adds 0).
+
+        The shared factor is orthonormal, so column ``j`` of the local factor carries
+        exactly the energy the step captures in direction ``j``, and ``‖M‖² − Σ_j`` of
+        them is ``‖E‖²``. Sorted per matrix, the first ``r'`` of them are the energy the
+        best ``r'`` columns of this basis would keep: a measured error curve for every
+        rank up to the current one, at the cost of one pass over the factor.
+        """
+        cols = (q_local.float() ** 2).sum(dim=1).sort(dim=1, descending=True).values.sum(0)
+        good = bad.logical_not().view(())
+        total, cols = torch.where(good, total, 0.0), torch.where(good, cols.double(), 0.0)
+        entry = self.spectrum.get(key)
+        if entry is None or entry[1].numel() != cols.numel():
+            self.spectrum[key] = [total, cols, good.long()]
+        else:
+            entry[0] = entry[0] + total
+            entry[1] = entry[1] + cols
+            entry[2] = entry[2] + good.long()
+
+    def absorb_residual(self, grads: Sequence[torch.Tensor]) -> None:
+        """Before a dense sync of this bucket: add every residual (and pending flush) into
+        its gradient and zero it — the dense message carries the whole error, nothing is
+        lost. The warm-start Q is kept for the next compressed step."""
+        assert len(grads) == len(self.entries)
+        for g in self.groups.values():
+            if g.residual is None:
+                continue
+            views = self.ef.views(g, grads)
+            self.ef.form(g, views)
+            for _, _, m, target in self.ef.blocks(g, views):
+                if target is not None:
+                    target.copy_(m)
+            g.residual.zero_()
+        for i in range(len(self.entries)):
+            self._flush_into(i, grads[i])
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        out = {"rank": self.rank, "matrices": {},
+               "shape_ranks": [[n, m, r] for (n, m), r in sorted(self.shape_ranks.items())]}
+        for g in self.groups.values():
+            if g.q is None:
+                continue
+            for j, name in enumerate(g.names):
+                out["matrices"][name] = {"q": g.q[j].cpu().clone(),
+                                         "residual": g.residual[j].cpu().clone()}
+        out["pending_flush"] = {k: v.cpu().clone() for k, v in self._pending_flush.items()}
+        # the window's measured column energies so far (a mid-window checkpoint resumes them)
+        out["spectrum"] = [[n, m, float(total), cols.cpu().clone(), int(count)]
+                           for (n, m), (total, cols, count) in sorted(self.spectrum.items())]
+        return out
+
+    def load_state_dict(self, state: dict, device=None) -> list:
+        """Restore; returns the names whose saved state did not fit (reset to fresh)."""
+        shape_ranks = {(n, m): r for n, m, r in state.get("shape_ranks", [])}
+        self.set_rank(state["rank"], shape_ranks)
+        mismatched = []
+        mats = state["matrices"]
+        dev = device if device is not None else self.device
+        for g in self.groups.values():
+            ok = all(name in mats and tuple(mats[name]["q"].shape) == self._q_shape(g)
+                     and tuple(mats[name]["residual"].shape) == (g.n, g.m) for name in g.names)
+            if ok:
+                g.q = torch.stack([mats[name]["q"] for name in g.names]).to(dev)
+                g.residual = torch.stack([mats[name]["residual"] for name in g.names]).to(
+                    dev, self.ef_dtype)
+            else:
+                mismatched += [name for name in g.names if name in mats]
+                g.q = g.residual = None
+        self._pending_flush = dict(state.get("pending_flush", {}))
+        self.spectrum = {(n, m): [torch.tensor(total, dtype=torch.float64, device=dev),
+                                  cols.to(dev, torch.float64, copy=True),
+                                  torch.tensor(count, dtype=torch.int64, device=dev)]
+                         for n, m, total, cols, count in state.get("spectrum", [])}
+        return mismatched

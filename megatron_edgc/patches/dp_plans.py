@@ -1,0 +1,136 @@
+"""One plan per DDP bucket — its reduction, layout, compressor and gradient views — and the
+three ways to sync it: flat PowerSGD over the group, PowerSGD on the slow hop after the
+instance's dense reduce-scatter, or dense (the bypass). Each strategy is a generator of
+:class:`~megatron_edgc.patches.dp_pipeline.Phase` s run by the bucket pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_edgc.compression.low_rank_state import LowRankState
+from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.compression.shard import shard_pieces
+from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_compressor_inputs
+from megatron_edgc.patches.dp_pipeline import (Phase, Strategy, all_gather, all_reduce,
+                                               reduce_scatter)
+from megatron_edgc.patches.megatron_buckets import Reduction, bucket_grad_bytes
+
+
+@dataclass
+class BucketPlan:
+    """A bucket's compression: ``matrices`` are ``((n, m), offset)`` of the compressor's
+    entries in the bucket (whole matrices, or on the slow hop this rank's pieces)."""
+
+    key: str
+    bucket: object
+    reduction: Reduction
+    compressor: LowRankState
+    matrices: list
+    param_names: list          # [(name, param)] of the bucket
+    #: (bytes, across instances) of the dense sync this plan replaces: the bucket's
+    #: all-reduce (counted even over one replica), or its reduce-scatter in the instance
+    #: and this rank's shard across
+    replaced_bytes: tuple
+
+    @classmethod
+    def build(cls, key: str, bucket, reduction: Reduction, matrices: list, param_names: list,
+              rank: int, settings: dict) -> "BucketPlan":
+        """``matrices``: ``(name, (n, m), offset)`` of every matrix of the bucket."""
+        if reduction.slow_hop:  # this rank's shard: row blocks and dense pieces
+            pieces = shard_pieces([(name, offset, shape) for name, shape, offset in matrices],
+                                  *reduction.shard_range(bucket))
+            entries, parents = shard_compressor_inputs(pieces, matrices)
+            comp = ShardCompressor(entries, parents,
+                                   [(name, shape) for name, shape, _ in matrices],
+                                   reduction.intra_size, rank, **settings)
+            layout = [(pc.shape, pc.start) for pc in pieces]
+        else:
+            comp = BucketCompressor([(name, shape) for name, shape, _ in matrices], rank,
+                                    **settings)
+            layout = [(shape, offset) for _, shape, offset in matrices]
+        dense = bucket_grad_bytes(bucket)
+        shard = dense // reduction.intra_size if reduction.slow_hop else 0
+        return cls(key, bucket, reduction, comp, layout, param_names, (dense + shard, shard))
+
+    def grads(self, data: torch.Tensor = None) -> list:
+        """Views of the compressor's entries in ``data`` (default: the bucket's gradients),
+        laid out as the bucket."""
+        data = self.bucket.grad_data if data is None else data
+        return [data[o:o + shape[0] * shape[1]].view(shape) for shape, o in self.matrices]
+
+    def scratch_grads(self) -> list:
+        """Random gradients laid out as the bucket's, in its dtype (the cost model times
+        the strided path the real step takes)."""
+        return self.grads(torch.randn_like(self.bucket.grad_data))
+
+    @property
+    def dense_bytes(self) -> int:
+        """The dense alternative on the compressed group: the bucket, or on the slow hop
+        this rank's shard of it."""
+        return bucket_grad_bytes(self.bucket) // self.reduction.intra_size
+
+    def shard(self) -> torch.Tensor:
+        lo, hi = self.reduction.shard_range(self.bucket)
+        return self.bucket.grad_data[lo:hi]
+
+    # ------------------------------------------------------------------ strategies
+
+    def fast_hop(self):
+        """The instance's dense reduce-scatter: this rank's shard summed over the
+        instance, in place (as megatron-core does)."""
+        yield Phase([reduce_scatter(self.shard(), self.bucket.grad_data, self.reduction.intra)],
+                    inline=True)
+
+    def dense(self) -> Strategy:
+        """The bypass: the whole error into the dense message, then megatron-core's
+        collective (on the slow hop, the shard across instances)."""
+        r = self.reduction
+        if r.slow_hop:
+            yield from self.fast_hop()
+        grads = self.grads()
+        self.compressor.absorb_residual(grads)
+        data = self.shard() if r.slow_hop else self.bucket.grad_data
+        yield Phase([all_reduce(data, r.process_group, slow_hop=r.slow_hop)])
+        return None
+
+    def flat(self) -> Strategy:
+        """PowerSGD over the group: ``[P | dense | flag]``, then ``[Q]``
+        (:class:`~megatron_edgc.compression.powersgd.BucketCompressor`)."""
+        comp, pg = self.compressor, self.reduction.process_group
+        bufs, step = comp.start(self.grads())
+        yield Phase([all_reduce(b, pg) for b in bufs])
+        bufs = comp.middle(step, bufs)
+        yield Phase([all_reduce(b, pg) for b in bufs])
+        comp.finish(step, bufs)
+        return step.nonfinite
+
+    def slow_hop(self) -> Strategy:
+        """PowerSGD across instances on this rank's shard
+        (:class:`~megatron_edgc.compression.shard_powersgd.ShardCompressor`): the dense
+        reduce-scatter inside the instance, ``[L | flag]`` reduce-scattered inside it, the
+        slice across, the all-gather inside, then ``[Q_b' | dense | flag]`` across."""
+        comp, r = self.compressor, self.reduction
+        yield from self.fast_hop()
+        bufs, step = comp.start(self.grads())
+        sent = None
+        if bufs:
+            own = bufs[0].new_empty(bufs[0].numel() // r.intra_size)
+            yield Phase([reduce_scatter(own, bufs[0], r.intra)], inline=True)
+            sent = comp.to_send(own)
+        yield Phase([all_reduce(sent, r.process_group, slow_hop=True)] if bufs else [])
+        gathered = []
+        if sent is not None:
+            p_full = sent.new_empty(sent.numel() * r.intra_size)
+            yield Phase([all_gather(p_full, sent, r.intra)], inline=True)
+            gathered = [p_full]
+        bufs = comp.middle(step, gathered)
+        yield Phase([all_reduce(b, r.process_group, slow_hop=True) for b in bufs])
+        comp.finish(step, bufs)
+        return step.nonfinite
+
+    def strategy(self, dense: bool) -> Strategy:
+        if dense:
+            return self.dense()
+        return self.slow_hop() if self.reduction.slow_hop else self.flat()
