@@ -233,3 +233,44 @@ def test_cli_fails_fast_with_one_line(small_model_argv):
     assert lines == [lines[0]] and lines[0].startswith("error: --num-layers:"), proc.stderr
     assert proc.stdout == ""
     assert time.time() - start < 30  # no process group, no model: config only
+
+
+def test_validation_reads_no_file(small_model_argv, tmp_path):
+    """Values are checked without the files (parse_values); the run's files at run start
+    (parse_config = parse_values + check_run_inputs), still before any process group."""
+    from megatron_edgc.config import parse_values
+
+    argv = small_model_argv + ["--data-path", str(tmp_path / "none"), "--save", "/proc/ck"]
+    cfg = parse_values(argv)
+    assert cfg.data.tokenizer_vocab_size is None and cfg.compression_notes == []
+    expect_error(argv, "--data-path", "does not exist")
+    expect_error(small_model_argv + ["--save", "/proc/ck"], "--save", "cannot be written")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_edgc_flags_grouped_in_both_parsers():
+    """--help lists EDGC's knobs as method, controller, diagnostics; the plug-in's parser
+    has the same groups and flags (plus its own two, in diagnostics)."""
+    import argparse
+    import dataclasses
+
+    from megatron_edgc.config import EdgcConfig, build_arg_parser
+    from megatron_edgc.megatron_lm import add_args
+
+    def groups(parser):
+        return {g.title: [a.option_strings[0] for a in g._group_actions]
+                for g in parser._action_groups if g.title.startswith("EDGC")}
+
+    titles = [title for title, _ in EdgcConfig.GROUPS.values()]
+    assert titles == ["EDGC method", "EDGC controller", "EDGC diagnostics"]
+    trainer, plug_in = groups(build_arg_parser()), groups(add_args(argparse.ArgumentParser()))
+    assert list(trainer) == list(plug_in) == titles
+    keys = [f.metadata["group"] for f in dataclasses.fields(EdgcConfig)]
+    assert keys == sorted(keys, key=list(EdgcConfig.GROUPS).index)   # declared in order
+    assert trainer["EDGC method"][:2] == ["--edgc-mode", "--edgc-rank"]
+    assert plug_in == {**trainer, "EDGC diagnostics": trainer["EDGC diagnostics"]
+                       + ["--edgc-metrics-file", "--edgc-allow-untested-megatron"]}
+    assert sum(map(len, trainer.values())) == len(keys) == 35
+    help_text = build_arg_parser().format_help()
+    assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
+        help_text.index("EDGC diagnostics:")

@@ -1,0 +1,78 @@
+"""RunConfig: every section of one training run, and ``validate()``, the values-only check
+of all of them (ranges, then each section's rules, then the rules between sections)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_edgc.config.edgc import EdgcConfig
+from megatron_edgc.config.knobs import check_ranges
+from megatron_edgc.config.rules import check_run_layout, validate_edgc
+from megatron_edgc.config.sections import (CheckpointConfig, DataConfig, EvalConfig,
+                                           LoggingConfig, ModelConfig, ParallelConfig,
+                                           TrainingConfig)
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; sections map to YAML sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    edgc: EdgcConfig = field(default_factory=EdgcConfig)
+    config_file: Optional[str] = None
+    allow_untested_megatron: bool = False
+    #: The start-up summary's compression lines (filled by :func:`validate_edgc` given the
+    #: model's shapes).
+    compression_notes: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def bf16_resolved(self) -> bool:
+        """``--bf16`` as the run takes it: unset means on with CUDA, off without."""
+        if self.training.bf16 is not None:
+            return self.training.bf16
+        import torch
+
+        return torch.cuda.is_available()
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.parallel.data_parallel_size)
+
+    def sections(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                yield f.name, value
+
+    def validate(self, world_size: Optional[int] = None) -> "RunConfig":
+        """Check every value and the cross-section rules; fill derived defaults. Reads no
+        file (the run's files: :func:`~megatron_edgc.config.run_inputs.check_run_inputs`).
+
+        ``world_size`` is the launcher's (torchrun/srun) or None for a plain local launch.
+        """
+        for _, section in self.sections():
+            check_ranges(section)
+        self.model.resolve()
+        self.parallel.resolve(world_size)
+        self.training.resolve()
+        self.data.resolve()
+        self.checkpoint.resolve()
+        validate_edgc(self)
+        check_run_layout(self)
+        return self
+
+    def _check_compression_ranks(self, shapes: list) -> None:
+        """Kept for ``megatron_lm/seams.py``: :func:`validate_edgc` with the model's shapes."""
+        validate_edgc(self, shapes)
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(section) for name, section in self.sections()}
