@@ -345,3 +345,54 @@ def test_a_real_compressed_dp_and_pp_step_makes_no_host_sync(small_model_argv, t
                                 for it, site, call, where in r["host_syncs"] if it >= 1)
     assert not syncs, "(pp, dp, site, call, where) over 2 iterations:\n" + "\n".join(
         f"{n} x {key}" for key, n in sorted(syncs.items()))
+
+
+# ---------------------------------------------------------------------- the trainer
+
+
+def run_counted_job(argv, out_dir, timeout=300) -> list:
+    """A trainer job under ``tests/host_sync.py``'s counter; every rank's syncs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "host_sync.py"), out_dir, *argv],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ranks = sorted(f for f in os.listdir(out_dir) if f.startswith("syncs_rank"))
+    assert len(ranks) == 4, ranks
+    out = []
+    for name in ranks:
+        with open(os.path.join(out_dir, name)) as fh:
+            out.append(json.load(fh))
+    return out
+
+
+def test_the_trainer_makes_no_host_sync_between_log_intervals(small_model_argv, tmp_path):
+    """4 gloo processes (PP2 x DP2, overlap_grad_reduce), DP and PP compression from
+    iteration 2, 7 iterations at --log-interval 3: over whole iterations (step, records,
+    evaluation, logging), megatron_edgc's code makes no host sync (and waits for no device
+    clock) on any rank except in iterations 3, 6 and 7 (the log intervals and the last),
+    where it reads every record since the last one; those reads are there on every rank.
+    megatron-core's own syncs (its grad-norm clipping reads the norm) are not ours."""
+    metrics = str(tmp_path / "m.jsonl")
+    results = run_counted_job(
+        small_model_argv + LAYOUTS["tp1-pp2-dp2-overlap"]
+        + ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-start-iter", "1",
+           "--edgc-pp-compression", "static", "--edgc-pp-rank", "4", "--train-iters", "7",
+           "--log-interval", "3", "--eval-interval", "6", "--metrics-file", metrics],
+        str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    assert [r["iteration"] for r in records] == list(range(1, 8))
+    assert [r["dp_bytes_sent"] < r["dp_bytes_dense"] for r in records] == [False] + [True] * 6
+    assert all(math.isfinite(r["loss"]) and r["iter_ms"] > 0 for r in records)
+    ours = collections.Counter((r["rank"], s["tag"], s["call"], s["where"]) for r in results
+                               for s in r["syncs"] if s["maker"] == "megatron_edgc")
+    between = {key: n for key, n in ours.items() if key[1] not in (0, 3, 6, 7)}
+    assert not between, "(rank, iteration, call, where) between log intervals:\n" + "\n".join(
+        f"{n} x {key}" for key, n in sorted(between.items()))
+    for rank in range(4):   # the reads at the log intervals (the counter sees them)
+        assert {tag for r, tag, call, _ in ours if r == rank and call == "IntervalClock.wait"} \
+            == {3, 6, 7}, rank

@@ -58,6 +58,9 @@ def wrap_save_checkpoint(original):
         if _state.runtime is None or kwargs.get("non_persistent_ckpt", False):
             return original(iteration, model, *rest, **kwargs)
         import torch
+        # the records up to here are written, and the controller has seen every iteration
+        # the checkpoint holds
+        _state.records.flush()
         from megatron.training.global_vars import get_args
 
         args = get_args()
@@ -94,10 +97,11 @@ def _stop_if_any_rank_failed(error: Optional[Exception], iteration: int, args) -
     import torch
     import torch.distributed as dist
 
+    from megatron_edgc.runtime.frontend import compute_device
+
     world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    first = torch.tensor([_global_rank() if error is not None else world], device=device)
+    first = torch.tensor([_global_rank() if error is not None else world],
+                         device=compute_device())
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
     first = int(first.item())  # once per save, not per step
     if first == world:

@@ -8,7 +8,9 @@ exists; ``setup_model_and_optimizer`` builds the EDGC runtime
 Megatron's DDP chunks; ``train_step`` runs it around each step, its scalars going to
 Megatron-LM's TensorBoard writer (tags ``edgc/*``) and ``--edgc-metrics-file``;
 ``save_checkpoint`` / ``load_checkpoint`` write and read EDGC's sidecar
-(:mod:`megatron_edgc.megatron_lm.checkpoint`).
+(:mod:`megatron_edgc.megatron_lm.checkpoint`). The per-iteration records are the trainer's
+(:class:`~megatron_edgc.runtime.frontend.IterationRecords`), read from the device and
+written at Megatron-LM's ``--log-interval``, before a checkpoint and at the last iteration.
 """
 
 from __future__ import annotations
@@ -84,14 +86,14 @@ def _setup_model_and_optimizer(original):
 
 
 def _build_runtime(model, optimizer, scheduler) -> None:
-    import torch
     import torch.distributed as dist
     from megatron.core import mpu
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_args, get_tensorboard_writer
-    from megatron.training.utils import print_rank_0
 
+    from megatron_edgc.runtime.frontend import (IterationRecords, compute_device,
+                                                is_logging_rank, log_rank0, lr_at, print_notes)
     from megatron_edgc.runtime.rank_state import restore_rank_state
     from megatron_edgc.runtime.step import EdgcRuntime
     from megatron_edgc.runtime.telemetry import MetricsWriter
@@ -107,18 +109,7 @@ def _build_runtime(model, optimizer, scheduler) -> None:
         if dist.get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-    def lr_at(step: int) -> float:
-        """The LR Megatron-LM's scheduler gives at ``step`` (it counts samples)."""
-        now = scheduler.num_steps
-        try:
-            scheduler.num_steps = step * args.global_batch_size
-            return float(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
-        finally:
-            scheduler.num_steps = now
-
+    device = compute_device()
     runtime = EdgcRuntime(
         cfg, model, get_model_config(model[0]), dp_group=mpu.get_data_parallel_group(),
         pp_group=mpu.get_pipeline_model_parallel_group(),
@@ -126,26 +117,27 @@ def _build_runtime(model, optimizer, scheduler) -> None:
         num_stages=args.pipeline_model_parallel_size,
         num_microbatches=get_num_microbatches(),
         activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
-        device=device, lr_at=lr_at, optimizer=optimizer)
+        device=device, optimizer=optimizer,
+        # Megatron-LM's scheduler counts samples
+        lr_at=functools.partial(lr_at, scheduler, samples_per_step=args.global_batch_size,
+                                param_group=scheduler.optimizer.param_groups[0]))
     if _state.stashed is not None:
         saved, changed = _state.stashed
         reset = restore_rank_state(saved, bool(changed))
         if reset:
-            print_rank_0(f"EDGC: resumed on another {'/'.join(changed)} size; per-replica "
+            log_rank0(f"EDGC: resumed on another {'/'.join(changed)} size; per-replica "
                          f"state reset ({', '.join(reset)})")
         _state.stashed = None
     _state.runtime = runtime
-    is_logger = (mpu.is_pipeline_last_stage(ignore_virtual=True)
-                 and mpu.get_data_parallel_rank() == 0
-                 and mpu.get_tensor_model_parallel_rank() == 0)
     # The JSONL file on the logging rank; the scalars wherever Megatron-LM keeps its
     # TensorBoard writer (the last rank). The records are job-wide after the all-reduce.
     tb = get_tensorboard_writer()
-    _state.metrics = [MetricsWriter(args.edgc_metrics_file, None, is_logger,
-                                    resume_from=args.iteration),
-                      MetricsWriter(None, None, tb is not None, tb_writer=tb, tb_prefix="edgc/")]
-    for note in cfg.compression_notes:
-        print_rank_0(note)
+    _state.records = IterationRecords(
+        [MetricsWriter(args.edgc_metrics_file, None, is_logging_rank(),
+                       resume_from=args.iteration),
+         MetricsWriter(None, None, tb is not None, tb_writer=tb, tb_prefix="edgc/")],
+        runtime, use_cuda=device.type == "cuda")
+    print_notes(cfg)
 
 
 def _train_step(original):
@@ -156,6 +148,7 @@ def _train_step(original):
         runtime = _state.runtime
         if runtime is None:
             return original(*args_, **kwargs)
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         from megatron.training import training
         from megatron.training.global_vars import get_args
 
@@ -172,6 +165,8 @@ def _train_step(original):
             timed = runtime.timed_finalize(finalize)
             timed.__edgc_timed__ = True
             config.finalize_model_grads_func = timed
+        records = _state.records
+        records.begin()
         runtime.begin_step(iteration)
 
         def with_edgc(forward_backward_func):
@@ -195,19 +190,31 @@ def _train_step(original):
         if should_exit:
             return out
         optimizer, scheduler = call["optimizer"], call["opt_param_scheduler"]
-        record = {"iteration": iteration + 1,
-                  "loss": float(loss_dict["lm loss"]) if "lm loss" in loss_dict
-                  else float("nan"),
-                  "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                  "lr": float(scheduler.get_lr(optimizer.param_groups[0])),
-                  "skipped": bool(skipped)}
+        record = records.end(
+            iteration + 1, loss=_device_value(loss_dict.get("lm loss", float("nan"))),
+            lr=float(scheduler.get_lr(optimizer.param_groups[0])),
+            grad_norm=_device_value(grad_norm), skipped=bool(skipped),
+            tokens=get_current_global_batch_size() * args.seq_length)
         runtime.end_step(iteration, record)
-        for writer in _state.metrics:
-            writer.write(record)
-        if (iteration + 1) % args.log_interval == 0:
-            _log_line(record)
+        logs = (iteration + 1) % args.log_interval == 0
+        if logs or iteration + 1 == args.train_iters:   # the only host waits for the device
+            done = records.flush()
+            if logs:
+                _log_line(done[-1])
         return out
     return train_step
+
+
+def _device_value(value):
+    """A loss or norm as Megatron-LM hands it: a tensor stays on the device (read at the
+    flush), anything else becomes a float (None: NaN)."""
+    import torch
+
+    if value is None:
+        return float("nan")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach()
+    return float(value)
 
 
 def _log_line(rec: dict) -> None:
@@ -294,7 +301,7 @@ def disable() -> None:
     _state.originals.clear()
     if _state.runtime is not None:
         _state.runtime.close()
-    for writer in _state.metrics or []:
-        writer.close()
-    _state.cfg = _state.runtime = _state.metrics = _state.stashed = None
+    if _state.records is not None:
+        _state.records.close()
+    _state.cfg = _state.runtime = _state.records = _state.stashed = None
 

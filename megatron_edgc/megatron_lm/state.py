@@ -11,7 +11,7 @@ class PluginState:
     def __init__(self):
         self.cfg: Optional[RunConfig] = None    # validated from the --edgc-* flags
         self.runtime = None                     # EdgcRuntime, when compression is on
-        self.metrics = None                     # [JSONL writer, TensorBoard writer]
+        self.records = None                     # IterationRecords (JSONL, TensorBoard)
         self.stashed: Optional[tuple] = None    # (extensions, changed layout names) read at load
         self.originals: dict = {}               # (module, name) -> the wrapped function
 

@@ -1,9 +1,10 @@
 """Per-iteration telemetry of the DP gradient sync: bytes, times as device-clock stamps,
-non-finite flags, bypass counts (what :mod:`megatron_edgc.patches.ddp` records and the
-step resolves)."""
+non-finite flags, bypass counts (what :mod:`megatron_edgc.patches.ddp` records; the runtime
+takes each step's and reads them at the log interval)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +18,9 @@ class DPSyncStats:
 
     Nothing here waits for the device during the step: times are kept as pairs of
     :attr:`clock` stamps (CUDA events on a GPU, ``perf_counter`` on CPU) and each bucket's
-    non-finite flag as a device tensor; :meth:`resolve` turns them into ``compress_s``,
-    ``comm_s``, ``nonfinite_buckets`` and events, once per step after the step's work.
+    non-finite flag as a device tensor; :meth:`take` hands a step's over and
+    :meth:`resolve_all` turns those of many steps into ``compress_s``, ``comm_s``,
+    ``nonfinite_buckets`` and events, with one device wait and one read.
     """
 
     bytes_sent: int = 0      # bytes placed into DP collectives
@@ -72,19 +74,34 @@ class DPSyncStats:
         """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
         self._nonfinite.append((key, flag))
 
+    def take(self) -> "DPSyncStats":
+        """This step's telemetry, unread, as a copy; this object starts afresh (same clock)."""
+        step = copy.copy(self)
+        self.reset()
+        return step
+
     def resolve(self) -> None:
-        """Turn the step's stamps and flags into numbers (reads the device: call once per
-        step, after its work; a second call adds nothing)."""
-        if self._intervals:
-            self.clock.wait()
-        for name, start, end in self._intervals:
-            setattr(self, name, getattr(self, name) + self.clock.seconds_between(start, end))
-        self._intervals = []
-        if self._nonfinite:
-            flags = torch.cat([flag.view(-1) for _, flag in self._nonfinite]).tolist()
-            for (key, _), bad in zip(self._nonfinite, flags):
+        """Turn the step's stamps and flags into numbers (reads the device: after the step's
+        work; a second call adds nothing)."""
+        DPSyncStats.resolve_all([self])
+
+    @staticmethod
+    def resolve_all(steps: list, wait: bool = True) -> None:
+        """:meth:`resolve` of several steps' stats: one device wait (``wait=False``: the
+        caller has waited), one read of all their non-finite flags."""
+        if wait and any(s._intervals for s in steps):
+            steps[0].clock.wait()
+        for s in steps:
+            for name, start, end in s._intervals:
+                setattr(s, name, getattr(s, name) + s.clock.seconds_between(start, end))
+            s._intervals = []
+        flagged = [(s, key, flag) for s in steps for key, flag in s._nonfinite]
+        if flagged:
+            values = torch.cat([flag.view(-1) for _, _, flag in flagged]).tolist()
+            for (s, key, _), bad in zip(flagged, values):
                 if bad:
-                    self.nonfinite_buckets += 1
-                    self.events.append(f"non-finite gradient in {key}: left non-finite for "
-                                       f"the optimizer, error feedback untouched")
-        self._nonfinite = []
+                    s.nonfinite_buckets += 1
+                    s.events.append(f"non-finite gradient in {key}: left non-finite for the "
+                                    f"optimizer, error feedback untouched")
+        for s in steps:
+            s._nonfinite = []

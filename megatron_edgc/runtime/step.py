@@ -7,16 +7,26 @@ optimizer exist, and call it around every step:
     runtime.begin_step(it)                      # ranks in force, bypass decisions, counters
     forward_backward(..., **runtime.schedule_kwargs())
     optimizer step, LR step
-    record = runtime.end_step(it, record)       # telemetry all-reduce; controller decides
+    record = runtime.end_step(it, record)       # the step's telemetry taken; controller decides
+    ...
+    runtime.flush()                             # at --log-interval: records filled (job-wide)
 
 so the two loops compress, measure and decide identically. It owns the DP compression
 (``patches/ddp.py``), the PP communicator (``patches/p2p.py``), the stage timer and the
-EDGC driver (``runtime/driver.py``), reduces the step's telemetry over the job, and
+EDGC driver (``runtime/driver.py``), reduces the steps' telemetry over the job, and
 registers their state with the checkpoint registry (``runtime/rank_state.py``).
+
+No step waits for the device: each keeps its device-side records (CUDA events, non-finite
+flags, pipeline message headers) unread, and :meth:`EdgcRuntime.flush` reads those of all
+the steps since the last flush with one device wait and one all-reduce. The exceptions are
+the controller's own reads: GDS's measured iterations (the driver reads the job-wide
+entropies there) and, with DAC, each window end (its stage-time fits decide there); those
+steps flush at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -26,13 +36,12 @@ import torch.distributed as dist
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.compression.powersgd import FACTOR_DTYPES
 from megatron_edgc.patches.ddp import DPGradientCompression, megatron_sync_bytes
-from megatron_edgc.patches.p2p import CompressingP2PCommunicator
-from megatron_edgc.patches.timing import StageTimer
+from megatron_edgc.patches.dp_stats import DPSyncStats
+from megatron_edgc.patches.p2p import CompressingP2PCommunicator, PPSendStats
+from megatron_edgc.patches.timing import StageStamps, StageTimer
 from megatron_edgc.runtime.rank_state import register_rank_state, unregister_rank_state
 from megatron_edgc.runtime.driver import EdgcDriver
-
-#: Per-stage timing columns of the per-iteration all-reduce.
-STAGE_TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
+from megatron_edgc.runtime.telemetry import JobCounters, TelemetryRow
 
 #: Checkpoint-registry entries of a runtime.
 _STATE_NAMES = ("dp_compression", "pp_compression", "edgc")
@@ -60,7 +69,7 @@ class EdgcRuntime:
         e = cfg.edgc
         self.dp_rank = dist.get_rank(dp_group)
         self.iteration = 0
-        self._entropy_sums: Optional[torch.Tensor] = None  # the last telemetry all-reduce's
+        self._pending: list = []   # _TakenStep of each step since the last flush
         self.dp_compression = self.edgc = self.p2p = None
         if e.mode != "off":
             self.dp_compression = DPGradientCompression(
@@ -110,6 +119,10 @@ class EdgcRuntime:
         self.dense_slow_hop_bytes = sum(slow for _, slow in dense + expert)
         self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
         self.slow_hop = cfg.parallel.num_distributed_optimizer_instances > 1
+        # the controller's entropy sums ride along (GDS's per-stage means need no
+        # collective of their own)
+        self.row = TelemetryRow(num_stages, self.edgc.entropy_sums().numel()
+                                if self.edgc is not None else 0)
 
     def close(self) -> None:
         """Drop this runtime's checkpoint-registry entries."""
@@ -154,21 +167,32 @@ class EdgcRuntime:
                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
     def end_step(self, iteration: int, record: dict) -> dict:
-        """After the optimizer step: adds the telemetry record (one job-wide all-reduce) and
-        lets the controller decide the next ranks; returns ``record``.
-
-        The step's device-side records (CUDA event times, non-finite flags, pipeline
-        message headers) are read here, once, after the step's work."""
-        if self.p2p is not None:
-            self.p2p.check_messages()   # a disagreeing pipeline message: raise here
-            self.p2p.stats.resolve()
-        if self.dp_compression is not None:
-            self.dp_compression.stats.resolve()
-        record.update(self._dp_sync_record())
+        """After the optimizer step: takes the step's telemetry, unread, and lets the
+        controller decide the next ranks; returns ``record``, whose job-wide telemetry
+        :meth:`flush` adds. Flushes at once where the controller reads this step's
+        telemetry (:meth:`controller_reads`)."""
+        step = self._take(iteration, record)
+        self._pending.append(step)
+        now = self.controller_reads(iteration)
+        if now:
+            step.observed = True   # the driver reads this step's stage times itself
+            self.flush()
         if self.edgc is not None:
-            record.update(self.edgc.after_step(iteration, record,
-                                               entropy_sums=self._entropy_sums))
+            record.update(self.edgc.after_step(
+                iteration, record if now else None,
+                entropy_sums=step.entropy_job if now else None))
         return record
+
+    def controller_reads(self, iteration: int) -> bool:
+        """Whether the EDGC driver reads step ``iteration``'s job-wide telemetry on the host
+        right after it: GDS's measured iterations (the entropies feed the controller) and,
+        with DAC, window ends (the stage-time fits decide). DAC's other iterations only
+        accumulate their times into the fits: :meth:`flush` adds them there."""
+        d = self.edgc
+        if d is None:
+            return False
+        window_end = (iteration + 1) % d.settings.window == 0
+        return d.controller.should_measure(iteration) or (d.dac and window_end)
 
     def rank_per_stage(self, stats) -> Optional[list]:
         """The DP-sync rank in force this iteration, one entry per pipeline stage."""
@@ -178,70 +202,111 @@ class EdgcRuntime:
             return None
         return [self.dp_compression.rank] * self.num_stages
 
-    def _dp_sync_record(self) -> dict:
-        """DP-sync and pipeline telemetry: this rank's bytes and times, the whole job's
-        bytes, and per-stage mean timings — one all-reduce over the job."""
-        st = self.dp_compression.stats if self.dp_compression is not None else None
-        sent = st.bytes_sent if st else self.dense_dp_bytes
-        dense = st.bytes_dense if st else self.dense_dp_bytes
-        expert_sent = st.expert_bytes_sent if st else self.dense_expert_bytes
-        expert_dense = st.expert_bytes_dense if st else self.dense_expert_bytes
-        pps = self.p2p.stats if self.p2p is not None else None
-        n_stages = self.num_stages
+    def _take(self, iteration: int, record: dict) -> "_TakenStep":
+        """The step's telemetry: its host figures now, its device records unread."""
+        dp = self.dp_compression.stats.take() if self.dp_compression is not None else None
+        pp = received = None
+        if self.p2p is not None:
+            pp, self.p2p.stats = self.p2p.stats, PPSendStats(stage=self.p2p.stats.stage)
+            # the received headers, for check_messages() at the flush (p2p.py keeps them in
+            # _received and replaces the list at the next begin_iteration)
+            received, self.p2p._received = self.p2p._received, []
         check = self.cfg.edgc.check_replicas and self.dp_compression is not None
-        mismatches = self.dp_compression.replica_mismatches() if check else 0
-        slow_sent = st.slow_hop_bytes_sent if st else self.dense_slow_hop_bytes
-        slow_dense = st.slow_hop_bytes_dense if st else self.dense_slow_hop_bytes
-        head = [sent, dense, pps.bytes_sent if pps else 0, pps.bytes_dense if pps else 0,
-                expert_sent, expert_dense, mismatches, slow_sent, slow_dense]
-        times = torch.zeros(len(STAGE_TIMES), 2, n_stages, dtype=torch.float64)
-        timing = self.timer.finish()
-        values = (timing.backward_ms, timing.send_ms, timing.sync_ms, timing.grad_sync_ms,
-                  timing.sync_end_wall)
-        for i, v in enumerate(values):
-            if math.isfinite(v):
-                times[i, 0, self.stage], times[i, 1, self.stage] = v, 1.0
-        # the sampled entropies ride along (GDS's per-stage means need no collective of
-        # their own)
-        entropy = self.edgc.entropy_sums() if self.edgc is not None else \
-            torch.zeros(0, dtype=torch.float64)
-        totals = torch.cat([torch.tensor(head, dtype=torch.float64), times.view(-1), entropy])
-        totals = totals.to(self.device)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
-        self._entropy_sums = totals[totals.numel() - entropy.numel():]
-        rec = {"dp_bytes_sent": sent, "dp_bytes_dense": dense,
-               "dp_bytes_ratio": sent / dense if dense else 1.0,
-               "dp_bytes_sent_job": int(totals[0].item()),
-               "dp_bytes_dense_job": int(totals[1].item()),
-               "rank_dp": self.rank_per_stage(st)}
+        return _TakenStep(
+            iteration=iteration, record=record, dp=dp, pp=pp, received=received,
+            stamps=self.timer.take(), rank_dp=self.rank_per_stage(dp),
+            rank_pp=self.p2p.rank if self.p2p is not None else None,
+            # a debug check with collectives and a read of its own (--edgc-check-replicas)
+            mismatches=self.dp_compression.replica_mismatches() if check else None,
+            ef_bytes=self.dp_compression.state_bytes() if dp is not None else None,
+            entropy=self.edgc.entropy_sums() if self.edgc is not None else None)
+
+    def flush(self, wait: bool = True) -> None:
+        """Read the device records of every step since the last flush and reduce their
+        telemetry over the job: one device wait (``wait=False``: the caller has waited),
+        one all-reduce, one read; fills each step's record. A collective: every rank calls
+        it after the same iterations."""
+        steps, self._pending = self._pending, []
+        if not steps:
+            return
+        clock = self.timer.clock
+        if wait:
+            clock.wait()
+        clock.anchor()   # the device is idle: wall times from here
+        for step in steps:
+            if step.pp is not None:
+                current, self.p2p._received = self.p2p._received, step.received
+                self.p2p.check_messages()   # a disagreeing pipeline message: raise here
+                self.p2p._received = current
+                step.pp.resolve()
+        DPSyncStats.resolve_all([s.dp for s in steps if s.dp is not None], wait=False)
+        rows = torch.stack([self._row(s) for s in steps]).to(self.device)
+        dist.all_reduce(rows)
+        for step, row in zip(steps, rows.tolist()):
+            self._fill(step, row)
+            if self.edgc is not None and self.edgc.dac and not step.observed:
+                # DAC's fits take each iteration's stage times (the driver's after_step
+                # had none to give them): in order, before the window end decides
+                self.edgc.time_fits.observe(step.rank_dp, step.record)
+
+    def _counters(self, step: "_TakenStep") -> JobCounters:
+        """This rank's byte counters of ``step`` (megatron-core's own without compression)."""
+        st, pps = step.dp, step.pp
+        return JobCounters(
+            dp_bytes_sent=st.bytes_sent if st else self.dense_dp_bytes,
+            dp_bytes_dense=st.bytes_dense if st else self.dense_dp_bytes,
+            pp_bytes_sent=pps.bytes_sent if pps else 0,
+            pp_bytes_dense=pps.bytes_dense if pps else 0,
+            dp_expert_bytes_sent=st.expert_bytes_sent if st else self.dense_expert_bytes,
+            dp_expert_bytes_dense=st.expert_bytes_dense if st else self.dense_expert_bytes,
+            dp_replica_mismatches=step.mismatches or 0,
+            dp_slow_hop_bytes_sent=st.slow_hop_bytes_sent if st else self.dense_slow_hop_bytes,
+            dp_slow_hop_bytes_dense=st.slow_hop_bytes_dense if st else
+            self.dense_slow_hop_bytes)
+
+    def _row(self, step: "_TakenStep") -> torch.Tensor:
+        timing = step.stamps.resolve(self.timer.clock)
+        times = dict(t_b_ms=timing.backward_ms, t_p2p_ms=timing.send_ms,
+                     dp_sync_ms=timing.sync_ms, grad_sync_ms=timing.grad_sync_ms,
+                     dp_sync_end_wall=timing.sync_end_wall)
+        return self.row.pack(self._counters(step), self.stage, times, step.entropy)
+
+    def _fill(self, step: "_TakenStep", row: list) -> None:
+        """DP-sync and pipeline telemetry of ``step`` into its record: this rank's bytes and
+        times, the whole job's bytes (``row``, summed over the job), per-stage mean times."""
+        local, (job, stage_times, entropy) = self._counters(step), self.row.unpack(row)
+        step.entropy_job = entropy
+        st, pps, rec, it = step.dp, step.pp, step.record, step.iteration + 1
+        sent, dense = local.dp_bytes_sent, local.dp_bytes_dense
+        rec.update(dp_bytes_sent=sent, dp_bytes_dense=dense,
+                   dp_bytes_ratio=sent / dense if dense else 1.0,
+                   dp_bytes_sent_job=job.dp_bytes_sent, dp_bytes_dense_job=job.dp_bytes_dense,
+                   rank_dp=step.rank_dp)
         if self.slow_hop:  # the partial distributed optimizer: across instances
-            rec.update(dp_slow_hop_bytes_sent=slow_sent, dp_slow_hop_bytes_dense=slow_dense,
-                       dp_slow_hop_bytes_sent_job=int(totals[7].item()),
-                       dp_slow_hop_bytes_dense_job=int(totals[8].item()))
-        if check:  # buckets (job-wide) whose replicas differ in a bit
-            rec["dp_replica_mismatches"] = int(totals[6].item())
+            rec.update(dp_slow_hop_bytes_sent=local.dp_slow_hop_bytes_sent,
+                       dp_slow_hop_bytes_dense=local.dp_slow_hop_bytes_dense,
+                       dp_slow_hop_bytes_sent_job=job.dp_slow_hop_bytes_sent,
+                       dp_slow_hop_bytes_dense_job=job.dp_slow_hop_bytes_dense)
+        if step.mismatches is not None:  # buckets (job-wide) whose replicas differ in a bit
+            rec["dp_replica_mismatches"] = job.dp_replica_mismatches
         if self.has_experts:  # MoE: the expert buckets' share of the above
-            rec.update(dp_expert_bytes_sent=expert_sent, dp_expert_bytes_dense=expert_dense,
-                       dp_expert_bytes_sent_job=int(totals[4].item()),
-                       dp_expert_bytes_dense_job=int(totals[5].item()))
+            rec.update(dp_expert_bytes_sent=local.dp_expert_bytes_sent,
+                       dp_expert_bytes_dense=local.dp_expert_bytes_dense,
+                       dp_expert_bytes_sent_job=job.dp_expert_bytes_sent,
+                       dp_expert_bytes_dense_job=job.dp_expert_bytes_dense)
         if pps is not None:
             rec.update(pp_bytes_sent=pps.bytes_sent, pp_bytes_dense=pps.bytes_dense,
-                       pp_bytes_sent_job=int(totals[2].item()),
-                       pp_bytes_dense_job=int(totals[3].item()), rank_pp=self.p2p.rank)
+                       pp_bytes_sent_job=job.pp_bytes_sent,
+                       pp_bytes_dense_job=job.pp_bytes_dense, rank_pp=step.rank_pp)
             for event in pps.events:
-                self.log(f"iteration {self.iteration + 1}: {event}")
-        sums = totals[len(head):len(head) + times.numel()].view(len(STAGE_TIMES), 2, n_stages)
-        stage_times = {key: [(sums[i, 0, s] / sums[i, 1, s]).item() if sums[i, 1, s] > 0
-                             else float("nan") for s in range(n_stages)]
-                       for i, key in enumerate(STAGE_TIMES)}
+                self.log(f"iteration {it}: {event}")
         ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
         rec.update(stage_times)  # per-stage means, identical on every rank (DAC reads them)
         if len(ends) > 1:
             rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
         if st is not None:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
-                       dp_ef_bytes=self.dp_compression.state_bytes(),
+                       dp_ef_bytes=step.ef_bytes,
                        dp_nonfinite_buckets=st.nonfinite_buckets,
                        dp_bypassed_buckets=st.bypassed_buckets,
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
@@ -250,5 +315,23 @@ class EdgcRuntime:
                 rec["dp_link_gbps"] = self.dp_compression.link.gbit_per_s
             if st.events and self.dp_rank == 0:
                 for event in st.events:
-                    self.log(f"iteration {self.iteration + 1}: {event}")
-        return rec
+                    self.log(f"iteration {it}: {event}")
+
+
+@dataclasses.dataclass
+class _TakenStep:
+    """One step's telemetry between :meth:`EdgcRuntime.end_step` and the flush."""
+
+    iteration: int                         # 0-based
+    record: dict                           # the front-end's record, filled at the flush
+    dp: Optional[DPSyncStats]              # the DP sync's, unread
+    pp: Optional[PPSendStats]              # the pipeline sends', unread
+    received: Optional[list]               # the received pipeline headers, unread
+    stamps: StageStamps                    # the stage timer's, unread
+    rank_dp: Optional[list]                # ranks in force per stage
+    rank_pp: Optional[int]
+    mismatches: Optional[int]              # --edgc-check-replicas
+    entropy: Optional[torch.Tensor]        # the driver's entropy sums (host)
+    ef_bytes: Optional[int]                # error-feedback state at the rank in force
+    entropy_job: Optional[torch.Tensor] = None   # ... summed over the job, at the flush
+    observed: bool = False                 # the driver's after_step had its stage times

@@ -1,14 +1,85 @@
 """Telemetry as data: one JSONL record per iteration, the same scalars in TensorBoard.
 
-Plots and summaries are made from these records, never the reverse.
+Plots and summaries are made from these records, never the reverse. The job-wide figures
+of a record come from one all-reduce of a row per iteration (:class:`TelemetryRow`: the
+:class:`JobCounters`, the per-stage :data:`STAGE_TIMES`, the controller's entropy sums),
+done for all the iterations since the last one at ``--log-interval``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from typing import Optional
+
+import torch
+
+#: Per-stage timing columns of the telemetry row (means over each stage's ranks).
+STAGE_TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
+
+
+@dataclasses.dataclass
+class JobCounters:
+    """One iteration's byte counters of one rank; summed over the job by the telemetry
+    all-reduce (the record's ``<name>_job``)."""
+
+    dp_bytes_sent: int = 0            # placed into DP collectives
+    dp_bytes_dense: int = 0           # what plain megatron-core would place
+    pp_bytes_sent: int = 0            # backward pipeline sends
+    pp_bytes_dense: int = 0
+    dp_expert_bytes_sent: int = 0     # of the DP bytes, the expert buckets' (MoE)
+    dp_expert_bytes_dense: int = 0
+    dp_replica_mismatches: int = 0    # buckets whose replicas differ (--edgc-check-replicas)
+    dp_slow_hop_bytes_sent: int = 0   # of the DP bytes, across distributed-optimizer instances
+    dp_slow_hop_bytes_dense: int = 0
+
+    def values(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_values(cls, values) -> "JobCounters":
+        return cls(*(int(v) for v in values))
+
+
+class TelemetryRow:
+    """One iteration's contribution of one rank to the job-wide all-reduce, a float64 row:
+    ``[JobCounters | (Σ value, count) per stage of each STAGE_TIMES column | extra]``
+    (``extra``: the controller's entropy sums, ``n_extra`` of them, summed as they are)."""
+
+    def __init__(self, num_stages: int, n_extra: int = 0):
+        self.num_stages, self.n_extra = num_stages, n_extra
+        self.n_counters = len(dataclasses.fields(JobCounters))
+        self.n_times = len(STAGE_TIMES) * 2 * num_stages
+        self.width = self.n_counters + self.n_times + n_extra
+
+    def pack(self, counters: JobCounters, stage: int, times: dict,
+             extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The row of this rank (on the host): ``times`` maps STAGE_TIMES to this rank's
+        values (NaN: none), counted for its ``stage``."""
+        sums = torch.zeros(len(STAGE_TIMES), 2, self.num_stages, dtype=torch.float64)
+        for i, key in enumerate(STAGE_TIMES):
+            if math.isfinite(times[key]):
+                sums[i, 0, stage], sums[i, 1, stage] = times[key], 1.0
+        parts = [torch.tensor(counters.values(), dtype=torch.float64), sums.view(-1)]
+        if self.n_extra:
+            parts.append(extra.to(torch.float64).view(-1))
+        return torch.cat(parts)
+
+    def unpack(self, row: list):
+        """``(JobCounters, {column: [per-stage mean, NaN where no rank had one]}, extra)`` of
+        a row summed over the job (a list of floats; ``extra`` as a host tensor)."""
+        counters = JobCounters.from_values(row[:self.n_counters])
+        times = row[self.n_counters:self.n_counters + self.n_times]
+        n = self.num_stages
+        means = {}
+        for i, key in enumerate(STAGE_TIMES):   # [column, (Σ, count), stage], flat
+            at = 2 * i * n
+            totals, counts = times[at:at + n], times[at + n:at + 2 * n]
+            means[key] = [t / c if c > 0 else float("nan") for t, c in zip(totals, counts)]
+        extra = torch.tensor(row[self.n_counters + self.n_times:], dtype=torch.float64)
+        return counters, means, extra
 
 
 class MetricsWriter:

@@ -3,11 +3,14 @@
 Reads top to bottom like Megatron's ``pretrain``: process groups → seeds → data → model,
 DDP, optimizer → (resume) → for each iteration: forward/backward over the micro-batches
 with megatron-core's schedule (1F1B, or interleaved with virtual stages), DP gradient
-sync, optimizer step, LR step → telemetry, evaluation, checkpoint → summary.
+sync, optimizer step, LR step → evaluation → at ``--log-interval`` (and before a checkpoint)
+the records of the iterations since the last one, read from the device at once → checkpoint
+→ summary. Between two log intervals the host never waits for the device.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,6 +29,8 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
+from megatron_edgc.runtime.frontend import (IterationRecords, compute_device,
+                                            is_logging_rank, log_rank0, lr_at, print_notes)
 from megatron_edgc.runtime.step import EdgcRuntime
 from megatron_edgc.runtime.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
@@ -37,19 +42,13 @@ from megatron_edgc.training.model import build_model_and_optimizer
 from megatron_edgc.training.tokenizer import build_tokenizer
 
 
-def log0(*args) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
 class Trainer:
     """State of one worker; ``run()`` trains and returns the summary (logging rank)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu \
-            else torch.device("cpu")
+        self.device = compute_device()
+        self.on_gpu = self.device.type == "cuda"
         self.bf16 = cfg.bf16_resolved
         p = cfg.parallel
         parallel_state.initialize_model_parallel(
@@ -61,8 +60,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        self.is_logger = (self.is_last_stage and self.dp_rank == 0
-                          and parallel_state.get_tensor_model_parallel_rank() == 0)
+        self.is_logger = is_logging_rank()
         self._seed(cfg.training.seed)
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
@@ -78,7 +76,8 @@ class Trainer:
             cfg, self.bundle.chunks, self.bundle.config, dp_group=self.dp_group,
             pp_group=parallel_state.get_pipeline_model_parallel_group(), stage=self.stage,
             num_stages=p.pipeline_model_parallel_size, num_microbatches=cfg.num_microbatches,
-            activation_shape=self.activation_shape, device=self.device, lr_at=self._lr_at,
+            activation_shape=self.activation_shape, device=self.device,
+            lr_at=functools.partial(lr_at, self.bundle.scheduler),
             optimizer=self.bundle.optimizer)
         self.bundle.config.finalize_model_grads_func = self.runtime.timed_finalize(
             finalize_model_grads)
@@ -99,18 +98,9 @@ class Trainer:
                                              p.data_parallel_size)
         self.forward_backward = get_forward_backward_func()
         self.iteration = 0
+        self.records = IterationRecords([], self.runtime, use_cuda=self.on_gpu)
 
     # ------------------------------------------------------------------ setup
-
-    def _lr_at(self, step: int) -> float:
-        """The LR megatron-core's scheduler gives at ``step`` (its own formula, read-only)."""
-        scheduler = self.bundle.scheduler
-        now = scheduler.num_steps
-        try:
-            scheduler.num_steps = step
-            return float(scheduler.get_lr({}))
-        finally:
-            scheduler.num_steps = now
 
     def _seed(self, seed: int) -> None:
         # Megatron's scheme: a different stream per pipeline stage, equal over DP.
@@ -170,15 +160,19 @@ class Trainer:
             seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
             decoder_seq_length=m.seq_length, forward_only=forward_only, **extra)
 
-    def _dp_mean_loss(self, losses: list) -> float:
-        """Mean of the micro-batch losses on the last stage, averaged over DP; NaN elsewhere."""
+    def _dp_mean_loss(self, losses: list):
+        """Mean of the micro-batch losses on the last stage, averaged over DP (a 0-dim
+        tensor on the device, unread); NaN elsewhere."""
         if not self.is_last_stage:
             return float("nan")
         value = torch.stack([d["lm loss"].float() for d in losses]).mean().to(self.device)
         dist.all_reduce(value, group=self.dp_group)
-        return value.item() / self.cfg.parallel.data_parallel_size
+        return value.double() / self.cfg.parallel.data_parallel_size
 
     def train_step(self) -> dict:
+        """Iteration ``self.iteration + 1``; returns its record, whose device values and
+        job-wide telemetry :meth:`IterationRecords.flush` reads at the log interval."""
+        self.records.begin()
         for chunk in self.bundle.chunks:
             chunk.zero_grad_buffer()
         self.bundle.optimizer.zero_grad()
@@ -187,13 +181,17 @@ class Trainer:
         update_ok, grad_norm, _ = self.bundle.optimizer.step()
         if update_ok:
             self.bundle.scheduler.step(increment=1)
-        out = {"loss": self._dp_mean_loss(losses),
-               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "skipped": not update_ok}
-        return self.runtime.end_step(self.iteration, out)  # the controller decides here
+        t = self.cfg.training
+        record = self.records.end(
+            self.iteration + 1, loss=self._dp_mean_loss(losses),
+            lr=self.bundle.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+            skipped=not update_ok, tokens=t.global_batch_size * self.cfg.model.seq_length)
+        return self.runtime.end_step(self.iteration, record)  # the controller decides here
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self):
+        """The validation loss (a 0-dim tensor on the device, unread, on the last stage;
+        NaN elsewhere)."""
         for chunk in self.bundle.chunks:
             chunk.eval()
         values = []
@@ -201,7 +199,9 @@ class Trainer:
             values.append(self._dp_mean_loss(self._run_schedule(self.valid_stream, k, True)))
         for chunk in self.bundle.chunks:
             chunk.train()
-        return float(numpy.mean(values))
+        if not self.is_last_stage:
+            return float("nan")
+        return torch.stack(values).mean()
 
     # ------------------------------------------------------------------ last word
 
@@ -215,12 +215,12 @@ class Trainer:
             valid = split_document_texts(self._held_out["validation"], self.tokenizer)
             more = zeroshot.build_last_word_examples(self.tokenizer, valid, n - len(examples),
                                                      seq)
-            log0(f"last-word eval: the test split ({len(test)} documents) gives "
+            log_rank0(f"last-word eval: the test split ({len(test)} documents) gives "
                  f"{len(examples)} of {n} examples; taking {len(more)} from the validation "
                  f"split ({len(valid)} documents)")
             examples += more
         if len(examples) < n:
-            log0(f"last-word eval: the held-out documents give only {len(examples)} examples "
+            log_rank0(f"last-word eval: the held-out documents give only {len(examples)} examples "
                  f"(--last-word-examples {n})")
         return examples
 
@@ -273,10 +273,6 @@ class Trainer:
         return {"last_word_acc": correct / n if n else None, "last_word_n": int(n),
                 "last_word_nll": nll / n if n else None}
 
-    def _sync(self) -> None:
-        if self.on_gpu:
-            torch.cuda.synchronize()
-
     # ------------------------------------------------------------------ loop
 
     def run(self) -> dict:
@@ -284,57 +280,41 @@ class Trainer:
         t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
         if ck.load and (not ck.auto_resume or ckpt.read_latest_iteration(ck.load) is not None):
             self.iteration = ckpt.load_checkpoint(ck.load, self.bundle, cfg)
-            log0(f"resumed from {ck.load} at iteration {self.iteration}")
+            log_rank0(f"resumed from {ck.load} at iteration {self.iteration}")
         elif ck.load:
-            log0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
-        for note in getattr(cfg, "compression_notes", []):
-            log0(note)
-        writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, self.is_logger,
-                               resume_from=self.iteration)
-        tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+            log_rank0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
+        print_notes(cfg)
+        self.records.writers = [MetricsWriter(lg.metrics_file, lg.tensorboard_dir,
+                                              self.is_logger, resume_from=self.iteration)]
         history = []
-        val_loss = None
         start_time = time.perf_counter()
         try:
             while self.iteration < t.train_iters:
-                self._sync()
-                t0 = time.perf_counter()
-                step = self.train_step()
-                self._sync()
-                iter_ms = (time.perf_counter() - t0) * 1e3
+                record = self.train_step()
                 self.iteration += 1
-                record = {"iteration": self.iteration, "loss": step["loss"],
-                          "lr": self.bundle.optimizer.param_groups[0]["lr"],
-                          "iter_ms": iter_ms, "tokens": tokens_per_iter,
-                          "tokens_per_s": tokens_per_iter / (iter_ms / 1e3),
-                          **{k: v for k, v in step.items() if k != "loss"}}
-                if self.iteration % cfg.eval.eval_interval == 0 \
-                        or self.iteration == t.train_iters:
-                    val_loss = self.evaluate()
-                    record["val_loss"] = val_loss
-                    record["val_ppl"] = math.exp(min(val_loss, 50.0))
-                if self.iteration == t.train_iters and cfg.eval.last_word_examples:
+                it = self.iteration
+                if it % cfg.eval.eval_interval == 0 or it == t.train_iters:
+                    record["val_loss"] = self.evaluate()   # read with the record
+                if it == t.train_iters and cfg.eval.last_word_examples:
                     record.update(self.last_word_eval())
-                history.append(record)
-                writer.write(record)
-                if self.is_logger and (self.iteration % lg.log_interval == 0
-                                       or self.iteration == t.train_iters):
-                    line = format_progress(self.iteration, t.train_iters, record)
-                    if "val_loss" in record:
-                        line += f" | val loss {val_loss:.4f} | val ppl {record['val_ppl']:.2f}"
-                    if record.get("last_word_n") is not None:
-                        line += " | " + format_last_word(record)
-                    print(line, flush=True)
-                if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
-                    ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
-                if t.exit_interval and self.iteration % t.exit_interval == 0:
-                    log0(f"exiting at iteration {self.iteration} (--exit-interval)")
+                logs = it % lg.log_interval == 0 or it == t.train_iters
+                saves = bool(ck.save and ck.save_interval and it % ck.save_interval == 0)
+                exits = bool(t.exit_interval and it % t.exit_interval == 0)
+                if logs or saves or exits:   # the only host waits for the device
+                    history += self.records.flush()
+                if logs and self.is_logger:
+                    print(format_progress_line(it, t.train_iters, history[-1]), flush=True)
+                if saves:
+                    ckpt.save_checkpoint(ck.save, it, self.bundle, cfg)
+                if exits:
+                    log_rank0(f"exiting at iteration {it} (--exit-interval)")
                     break
             last_saved = ck.save_interval and self.iteration % ck.save_interval == 0
             if ck.save and not last_saved:
                 ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
         finally:
-            writer.close()
+            self.records.close()
+        val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
         summary = summarize(history, val_loss, time.perf_counter() - start_time, cfg)
         if self.is_logger:
             print(format_summary(summary), flush=True)
@@ -373,6 +353,16 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
                   f"PP{cfg.parallel.pipeline_model_parallel_size}·"
                   f"DP{cfg.parallel.data_parallel_size}",
     }
+
+
+def format_progress_line(it: int, total: int, record: dict) -> str:
+    """The trainer's line at ``--log-interval``: progress, then validation and last-word."""
+    line = format_progress(it, total, record)
+    if "val_loss" in record:
+        line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
+    if record.get("last_word_n") is not None:
+        line += " | " + format_last_word(record)
+    return line
 
 
 def format_last_word(s: dict) -> str:
