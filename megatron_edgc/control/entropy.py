@@ -13,6 +13,11 @@ Estimators of the differential entropy (nats):
 
 The local estimate is averaged over the DP group by the caller (one scalar all-reduce),
 so every DP rank of a stage takes the same decision.
+
+A step's sample is never assembled: :class:`SampledEntropy` reduces each chunk's sample
+to its count, mean and variance on the device as the chunk's gradient is ready, and the
+Gaussian entropy comes from their combination when it is read (the histogram estimator
+alone needs the samples themselves and keeps them).
 """
 
 from __future__ import annotations
@@ -106,9 +111,111 @@ class GradientSampler:
         idx = self.indices(window)
         if idx is None:
             return flat_grad
-        if idx.device != flat_grad.device:
-            idx = self._indices = idx.to(flat_grad.device)
+        if idx.device != flat_grad.device:  # once per window; pinned: the host does not wait
+            pinned = idx.pin_memory() if idx.device.type == "cpu" else idx
+            idx = self._indices = pinned.to(flat_grad.device, non_blocking=True)
         return flat_grad.index_select(0, idx)
+
+
+def gaussian_entropy_of(variance: torch.Tensor) -> torch.Tensor:
+    """``½ ln(2πe σ²)`` of a variance tensor, on its device: ``-inf`` at 0, NaN below 0 or
+    at NaN (:func:`gaussian_entropy` without the host read)."""
+    return 0.5 * torch.log(variance * (2 * math.pi * math.e))
+
+
+class SampledEntropy:
+    """One entropy stream of one step (a stage's DP gradient buckets, or the pipeline's
+    outgoing activation gradient): the GDS sample of each chunk (``samplers[key]``),
+    reduced on the chunk's device as the chunk arrives.
+
+    Per key a slot holds the sample's count, mean and variance about that mean (one fused
+    ``var_mean`` over the fp32 sample, whatever the gradient's dtype); :meth:`variance`
+    combines the slots in float64 (Chan et al.'s parallel formula:
+    ``M2 = Σ_k n_k σ_k² + Σ_k n_k (μ_k − μ)²``, every term non-negative, so no
+    cancellation whatever the gradient's mean; raw power sums ``Σx² − (Σx)²/n`` in fp32
+    would lose ``(μ/σ)²·2⁻²⁴`` of the variance). Memory: three float64 per key, however
+    many elements or chunks are sampled; no value crosses to the host. A key added twice
+    in a step (a re-run schedule) is combined into its slot.
+
+    ``estimator="histogram"`` needs the samples themselves: they are kept and
+    concatenated when read. ``moments=True`` (the entropy study) also sums
+    ``[n, Σx, …, Σx⁴]`` of the samples in float64 (:meth:`power_sums`).
+    """
+
+    def __init__(self, samplers: dict, estimator: str = "gaussian", moments: bool = False):
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown entropy estimator {estimator!r}")
+        self.samplers = samplers
+        self.estimator = estimator
+        self.slot_of = {key: i for i, key in enumerate(samplers)}
+        self.moments = moments
+        self._slots: Optional[torch.Tensor] = None   # [keys, 3]: n, mean, variance (float64)
+        self._filled: set = set()                    # keys added since the last reset
+        self._samples: list = []                     # the histogram estimator's
+        self._power_sums: Optional[torch.Tensor] = None
+
+    def reset(self) -> None:
+        """Forget the step's chunks (before a step)."""
+        if self._filled and self._slots is not None:
+            self._slots.zero_()
+        self._filled.clear()
+        self._samples = []
+        self._power_sums = None
+
+    def add(self, key, flat_grad: torch.Tensor, window: int) -> None:
+        """Sample ``flat_grad`` (the chunk ``key``, window ``window``'s index set) and
+        reduce the sample into the key's slot; device work only."""
+        sample = self.samplers[key].sample(flat_grad, window).float()
+        if sample.numel() == 0:
+            return
+        if self.estimator == "histogram":
+            self._samples.append(sample)
+        if self.moments:
+            sums = power_sums(sample)
+            self._power_sums = sums if self._power_sums is None else self._power_sums + sums
+        if self._slots is None or self._slots.device != sample.device:
+            self._slots = torch.zeros(len(self.slot_of), 3, dtype=torch.float64,
+                                      device=sample.device)
+        var, mean = torch.var_mean(sample, correction=0)
+        stats = torch.stack([mean, var]).double()
+        chunk = torch.cat([stats.new_full((1,), float(sample.numel())), stats])
+        i = self.slot_of[key]
+        if key in self._filled:   # a second chunk of this key this step: combine the two
+            chunk = _combine(torch.stack([self._slots[i], chunk]))
+        self._slots[i] = chunk
+        self._filled.add(key)
+
+    def variance(self) -> Optional[torch.Tensor]:
+        """The unbiased variance of every sample added since the last reset (float64, on
+        the device), or None when nothing was added."""
+        if not self._filled:
+            return None
+        n, _, var = _combine(self._slots)
+        return var * (n / (n - 1))
+
+    def entropy(self, device) -> torch.Tensor:
+        """The step's entropy estimate (nats, float64, 0-dim, on ``device``): NaN when
+        nothing was sampled; non-finite when the gradient is constant or not finite."""
+        if self.estimator == "histogram":
+            h = histogram_entropy(torch.cat(self._samples)) if self._samples else math.nan
+            return torch.tensor(h, dtype=torch.float64).to(device)
+        var = self.variance()
+        if var is None:
+            return torch.full((), math.nan, dtype=torch.float64, device=device)
+        return gaussian_entropy_of(var).to(device)
+
+    def power_sums(self) -> Optional[torch.Tensor]:
+        """``[n, Σx, Σx², Σx³, Σx⁴]`` of the step's samples (``moments=True``), or None."""
+        return self._power_sums
+
+
+def _combine(slots: torch.Tensor) -> torch.Tensor:
+    """``[n, mean, population variance]`` of the union of the rows' parts (float64)."""
+    n, mean, var = slots.unbind(-1)
+    total = n.sum()
+    mu = (n * mean).sum() / total
+    m2 = (n * var).sum() + (n * (mean - mu) ** 2).sum()
+    return torch.stack([total, mu, m2 / total])
 
 
 # ---------------------------------------------------------------------- the entropy study
@@ -129,14 +236,16 @@ def layer_type(name: str) -> str:
 
 
 def power_sums(x: torch.Tensor, order: int = 4) -> torch.Tensor:
-    """``[n, Σx, Σx², …, Σx^order]`` in float64 (additive over ranks and chunks)."""
+    """``[n, Σx, Σx², …, Σx^order]`` in float64 on ``x``'s device (additive over ranks and
+    chunks; no host read)."""
     x = x.detach().double().flatten()
-    out = [float(x.numel())]
-    p = torch.ones_like(x)
-    for _ in range(order):
-        p = p * x
-        out.append(p.sum().item())
-    return torch.tensor(out, dtype=torch.float64)
+    out = [torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)]
+    p = x
+    for k in range(order):
+        if k:
+            p = p * x
+        out.append(p.sum())
+    return torch.stack(out)
 
 
 def moments_from_power_sums(sums) -> dict:

@@ -124,7 +124,7 @@ class EdgcDriver:
             self._typed_grads = {
                 key: [(LAYER_TYPES.index(layer_type(name)), p) for name, p in params]
                 for key, params in dp_compression.bucket_params()}
-        self._type_sums = torch.zeros(len(LAYER_TYPES), 3, dtype=torch.float64)
+        self._type_sums = torch.zeros(len(LAYER_TYPES), 3, dtype=torch.float64, device=device)
         self._calib_grad: Optional[torch.Tensor] = None
         self.calibrated_g: Optional[list] = None
         self._full_entropies: list = []
