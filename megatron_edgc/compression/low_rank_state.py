@@ -17,7 +17,7 @@ import torch
 
 from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, Step, dtype_bytes,
                                                resized_warm_start, to_device)
-from megatron_edgc.compression.matrices import is_compressible, seeded_gaussian
+from megatron_edgc.compression.matrices import is_compressible
 
 
 class LowRankState:
@@ -193,14 +193,13 @@ class LowRankState:
     # ------------------------------------------------------------------ state of a step
 
     def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
-        """``[k, m, cols]`` seeded Gaussians of the group's warm start (per matrix, the
+        """``[k, rows, cols]`` seeded Gaussians of the group's warm start (per matrix, the
         same on every rank): the first ``Q``, or columns added when the rank grows."""
-        return torch.stack([seeded_gaussian(self.seed, name, tag, g.m, cols)
-                            for name in g.seed_names])
+        raise NotImplementedError
 
     def _q_shape(self, g: ShapeGroup) -> tuple:
         """The shape of one matrix's warm start ``Q``."""
-        return (g.m, self._rank_for(g))
+        raise NotImplementedError
 
     def _init_group(self, g: ShapeGroup, device) -> None:
         g.q = to_device(self._seeded(g, "init", self._rank_for(g)), device)

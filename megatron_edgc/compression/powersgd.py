@@ -84,8 +84,14 @@ _Step = Step  # the name bench/step_before.py knows
 
 
 class BucketCompressor(LowRankState):
-    """PowerSGD of a whole bucket with the shared factor on the rows' side (module
-    docstring): ``start`` → SUM → ``middle`` → SUM → ``finish``."""
+    """PowerSGD of a whole bucket (module docstring): ``start`` → SUM → ``middle`` → SUM →
+    ``finish``. ``transposed=True`` shares the factor on the columns' side instead
+    (PowerSGD of ``Mᵀ``: ``P = Mᵀ Q``, ``[k, m, r]``; the warm start ``[k, n, r]``), the
+    orientation of the slow hop's shards, which it then equals on a whole bucket."""
+
+    def __init__(self, entries, rank: int, *, transposed: bool = False, **kwargs):
+        self.transposed = transposed
+        super().__init__(entries, rank, **kwargs)
 
     #: The orthonormalization of the summed P (``bench/step_before.py`` swaps in the old).
     orthonormalize = staticmethod(orthonormalize)
@@ -93,13 +99,28 @@ class BucketCompressor(LowRankState):
     def fresh(self, rank: int) -> "BucketCompressor":
         """A compressor of the same entries and settings at ``rank``, with no state (the
         bypass times one on scratch gradients)."""
-        return BucketCompressor(self.entries, rank, **self._settings())
+        return BucketCompressor(self.entries, rank, transposed=self.transposed,
+                                **self._settings())
 
     # ------------------------------------------------------------------ sizes
 
+    def _sides(self, g: ShapeGroup) -> tuple[int, int]:
+        """Rows of the shared factor ``P`` and of the local one ``Q`` of group ``g``."""
+        return (g.m, g.n) if self.transposed else (g.n, g.m)
+
+    def _q_shape(self, g: ShapeGroup) -> tuple:
+        return (self._sides(g)[1], self._rank_for(g))
+
+    def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
+        return torch.stack([seeded_gaussian(self.seed, name, tag, self._sides(g)[1], cols)
+                            for name in g.seed_names])
+
     def _factor_numels(self) -> tuple[int, int]:
-        p = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
-        q = sum(len(g.indices) * g.m * self._rank_for(g) for g in self.groups.values())
+        p = q = 0
+        for g in self.groups.values():
+            p_rows, q_rows = self._sides(g)
+            p += len(g.indices) * p_rows * self._rank_for(g)
+            q += len(g.indices) * q_rows * self._rank_for(g)
         return p, q
 
     def layouts(self) -> tuple[WireLayout, WireLayout]:
@@ -129,7 +150,7 @@ class BucketCompressor(LowRankState):
         the views ``M`` is held in for :meth:`middle` and :meth:`finish`."""
         views = step.views[key] = self.ef.views(g, grads)
         self.ef.form(g, views)
-        return self.ef.project(g, views, g.q, transposed=False)
+        return self.ef.project(g, views, g.q, transposed=self.transposed)
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, Step]:
         """Error feedback ``G += E`` in the gradients and ``P = M Q``; returns the buffers
@@ -150,13 +171,14 @@ class BucketCompressor(LowRankState):
         first, second = self.layouts()
         p_buf, dense, step.nonfinite = first.unpack(reduced)
         keys = list(self.groups)
-        shapes = [(len(g.indices), g.n, self._rank_for(g)) for g in self.groups.values()]
+        shapes = [(len(g.indices), self._sides(g)[0], self._rank_for(g))
+                  for g in self.groups.values()]
         wire = []
         for key, p in zip(keys, split_factors(p_buf, shapes)):
             g = self.groups[key]
             p_hat = step.p_hat[key] = self.orthonormalize(p)
             q_local = step.q_local[key] = self.ef.project(g, step.views[key], p_hat,
-                                                          transposed=True)
+                                                          transposed=not self.transposed)
             step.q_sent[key], sent = local_factor(q_local, self.factor_dtype)
             wire.append(sent.view(-1))
         copy_dense_back(step.grads, self.dense_indices, dense)
@@ -172,17 +194,19 @@ class BucketCompressor(LowRankState):
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
         bad = step.nonfinite
-        shapes = [(len(g.indices), g.m, self._rank_for(g)) for g in self.groups.values()]
+        shapes = [(len(g.indices), self._sides(g)[1], self._rank_for(g))
+                  for g in self.groups.values()]
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
-            p_hat = step.p_hat[key]
-            self._finish_group(key, g, step, bad, (p_hat, step.q_sent[key]), (p_hat, q))
+            p_hat, q_sent = step.p_hat[key], step.q_sent[key]
+            sent, result = ((q_sent, p_hat), (q, p_hat)) if self.transposed else \
+                ((p_hat, q_sent), (p_hat, q))
+            self._finish_group(key, g, step, bad, sent, result)
             g.q = torch.where(bad, g.q, q)
 
     def _finish_group(self, key, g: ShapeGroup, step: Step, bad, sent: tuple,
-                      result: tuple, spectrum_key=None) -> None:
+                      result: tuple) -> None:
         energy = self.ef.finish(g, step.views[key], bad, sent, result,
                                 energy=self.track_spectrum)
         if self.track_spectrum:
-            self._add_spectrum(key if spectrum_key is None else spectrum_key, energy,
-                               step.q_local[key], bad)
+            self._add_spectrum(key, energy, step.q_local[key], bad)
         step.views[key] = None

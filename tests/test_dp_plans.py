@@ -1,0 +1,176 @@
+"""The DP patch's bucket plans and driver in one process: the slow-hop strategy against the
+flat one, and megatron-core's ``force_all_reduce``."""
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.patches import ddp
+from megatron_edgc.patches.dp_plans import BucketPlan
+from megatron_edgc.patches.megatron_buckets import Reduction, megatron_sync_bytes
+
+# ---------------------------------------------------------------------- slow hop vs flat
+
+#: One bucket: two matrices of one shape, one of another, a bias (sent dense).
+MATRICES = [("w1", (48, 40)), ("w2", (48, 40)), ("w3", (40, 96)), ("b", (1, 40))]
+INTER, INTRA = object(), object()   # the groups, as tokens: collectives are simulated
+
+
+def one_bucket(seed: int):
+    numel = sum(n * m for _, (n, m) in MATRICES)
+    bucket = types.SimpleNamespace(grad_data=torch.zeros(numel))
+    offset, layout = 0, []
+    for name, (n, m) in MATRICES:
+        layout.append((name, (n, m), offset))
+        offset += n * m
+    return bucket, layout
+
+
+def run_in_lockstep(strategies: list) -> None:
+    """Every simulated rank's strategy, one phase at a time; each collective's result is
+    the SUM over the group (the inter-instance token: every rank; the instance's: the rank
+    alone, one rank per instance)."""
+    while True:
+        phases = []
+        for s in strategies:
+            try:
+                phases.append(next(s))
+            except StopIteration:
+                phases.append(None)
+        if all(p is None for p in phases):
+            return
+        assert all(p is not None for p in phases)
+        for j in range(len(phases[0].collectives)):
+            cs = [p.collectives[j] for p in phases]
+            assert len({c.kind for c in cs}) == 1 and len({id(c.group) for c in cs}) == 1
+            if cs[0].group is INTRA:         # a group of one: the identity
+                for c in cs:
+                    if c.recv is not None:
+                        c.recv.copy_(c.send)
+                continue
+            assert cs[0].kind == "all_reduce" and cs[0].group is INTER
+            total = sum(c.send.float() for c in cs).to(cs[0].send.dtype)
+            for c in cs:
+                c.send.copy_(total)
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+def test_slow_hop_with_one_rank_per_instance_equals_the_flat_strategy(factor_dtype):
+    """With s = 1 the slow hop's shard is the whole bucket: its strategy (dense
+    reduce-scatter, ``[L | flag]`` reduce-scattered, the slice across, the all-gather,
+    ``[Q' | dense | flag]`` across) must give bit for bit what the flat strategy gives
+    with the factor on the same side (``transposed``): gradients, residuals, warm starts,
+    over three steps."""
+    instances, rank = 3, 4
+    settings = dict(min_compression_rate=1.0, seed=5, factor_dtype=factor_dtype,
+                    device=torch.device("cpu"))
+    slow, flat = [], []
+    for t in range(instances):
+        bucket, layout = one_bucket(t)
+        slow.append(BucketPlan.build("b0", bucket, Reduction(INTER, instances, False, INTRA, 1, 0),
+                                     layout, [], rank, settings))
+        bucket, layout = one_bucket(t)
+        plan = BucketPlan.build("b0", bucket, Reduction(INTER, instances, False), layout, [],
+                                rank, settings)
+        plan.compressor = BucketCompressor([(n, s) for n, s, _ in layout], rank,
+                                           transposed=True, **settings)
+        flat.append(plan)
+    assert slow[0].compressor.groups and slow[0].compressor.dense_indices
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for s, f in zip(slow, flat):
+            g = torch.randn(s.bucket.grad_data.shape, generator=gen)
+            s.bucket.grad_data.copy_(g)
+            f.bucket.grad_data.copy_(g)
+        run_in_lockstep([p.strategy(dense=False) for p in slow])
+        run_in_lockstep([p.strategy(dense=False) for p in flat])
+        for s, f in zip(slow, flat):
+            assert torch.equal(s.bucket.grad_data, f.bucket.grad_data)
+            for gs, gf in zip(s.compressor.groups.values(), f.compressor.groups.values()):
+                assert torch.equal(gs.residual, gf.residual) and torch.equal(gs.q, gf.q)
+    # and the result is the compressed sum: every replica the same, near the exact sum
+    assert all(torch.equal(s.bucket.grad_data, slow[0].bucket.grad_data) for s in slow)
+
+
+# ---------------------------------------------------------------------- force_all_reduce
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def chunk_with_megatron_sync(calls: list):
+    """A DDP chunk of one bucket group whose own (megatron-core) start/finish record the
+    ``force_all_reduce`` they were called with and all-reduce each bucket dense."""
+    module = torch.nn.Module()
+    params = [torch.nn.Parameter(torch.zeros(64, 48)), torch.nn.Parameter(torch.zeros(48))]
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    grad_data = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        p.main_grad = grad_data[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    bucket = types.SimpleNamespace(grad_data=grad_data, params_list=params,
+                                   gradient_scaling_factor=1.0)
+    group = types.SimpleNamespace(
+        buckets=[bucket], grad_reduce_handle=None, param_gather_dispatched=False,
+        ddp_config=types.SimpleNamespace(overlap_grad_reduce=False, average_in_collective=False,
+                                         use_distributed_optimizer=False),
+        data_parallel_group=dist.group.WORLD)
+
+    def start(force_all_reduce=False):
+        calls.append(("start", force_all_reduce))
+        dist.all_reduce(bucket.grad_data, group=dist.group.WORLD)
+
+    def finish(force_all_reduce=False):
+        calls.append(("finish", force_all_reduce))
+        group.start_grad_sync(force_all_reduce=force_all_reduce)   # megatron-core's form
+
+    group.start_grad_sync, group.finish_grad_sync = start, finish
+    return types.SimpleNamespace(module=module, bucket_groups=[group],
+                                 expert_parallel_bucket_groups=[])
+
+
+def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_process_group):
+    """``force_all_reduce`` (core_v0.19's ``training.py`` sets it to save weight gradients)
+    asks for a dense all-reduce of the whole bucket: megatron-core's own sync runs, with
+    every residual added into the gradients first (nothing is lost) and zeroed; the bytes
+    are the dense ones; the next step compresses again from the kept warm start."""
+    calls = []
+    chunk = chunk_with_megatron_sync(calls)
+    comp = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                     compress_single_replica=True, min_compression_rate=2.0,
+                                     start_iter=0, seed=0)
+    group, bucket = chunk.bucket_groups[0], chunk.bucket_groups[0].buckets[0]
+    gen = torch.Generator().manual_seed(1)
+    comp.set_iteration(0)
+    comp.prepare_iteration()
+    bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
+    group.finish_grad_sync()
+    assert calls == []                                   # compressed: megatron's not called
+    (g,) = comp.compressors["chunk0.group0.bucket0"].groups.values()
+    residual, q = g.residual.clone(), g.q.clone()
+    assert residual.abs().sum() > 0
+
+    comp.set_iteration(1)
+    fresh = torch.randn(bucket.grad_data.shape, generator=gen)
+    bucket.grad_data.copy_(fresh)
+    group.finish_grad_sync(force_all_reduce=True)
+    assert calls == [("finish", True), ("start", True)]
+    expected = fresh.clone()
+    expected[:64 * 48] += residual.reshape(-1)
+    assert torch.equal(bucket.grad_data, expected)       # G + E, summed dense
+    assert g.residual.abs().sum() == 0 and torch.equal(g.q, q)
+    # megatron-core's own bytes (none over a group of one), counted as dense
+    assert comp.stats.bytes_sent == comp.stats.bytes_dense == megatron_sync_bytes(group)[0]
+
+    comp.set_iteration(2)
+    bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
+    group.finish_grad_sync()
+    assert len(calls) == 2 and comp.stats.bytes_sent < comp.stats.bytes_dense
