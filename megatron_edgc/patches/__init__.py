@@ -1,0 +1,1 @@
+"""megatron-core seams: the DP gradient sync, the pipeline backward sends, stage timing, the CPU shims and the feature probe."""
