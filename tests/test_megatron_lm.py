@@ -212,7 +212,10 @@ def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron
     assert losses[:2] == unmodified[:2]                        # dense warm-up
     dense = sum(stage_bytes(None)) * 2
     compressed = 0
-    for rec in records:
+    for rec in records:   # the trainer's record (runtime/frontend.py), iter_ms included
+        assert {"iteration", "loss", "lr", "iter_ms", "tokens", "tokens_per_s", "grad_norm",
+                "skipped"} <= rec.keys()
+        assert rec["tokens"] == 8 * 64 and rec["iter_ms"] > 0
         ranks = rec["rank_dp"]
         if rec["iteration"] <= 2:
             assert ranks == [None, None]
@@ -237,10 +240,12 @@ def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron
 
 
 def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, edgc_run, tmp_path):
-    """Save at 4 (exit), resume to 8: the same losses, ranks and bytes as one run of 8."""
+    """Save at 4 (exit), resume to 8: the same losses, ranks and bytes as one run of 8.
+    At --log-interval 3 the records are written at 3, at the save (4), at 6 and at 8: the
+    same records as the whole run's, written every iteration."""
     ckpt = str(tmp_path / "ckpt")
     whole = edgc_run[2]
-    save = EDGC + ["--save", ckpt, "--save-interval", "4"]
+    save = EDGC + ["--save", ckpt, "--save-interval", "4", "--log-interval", "3"]
     run_megatron_lm(megatron_lm, megatron_lm[2], save + ["--exit-interval", "4"], tmp_path,
                     "resumed")
     sidecars = sorted(os.listdir(os.path.join(ckpt, "iter_0000004", "edgc")))
