@@ -1,5 +1,6 @@
 """The rank controller on scripted entropy streams: warm-up, windows, clamps, state."""
 
+import json
 import math
 
 from megatron_edgc.control.controller import ControllerSettings, RankController
@@ -83,3 +84,108 @@ def test_nonfinite_entropy_is_ignored():
     c = make(warmup_max_iters=10)
     drive(c, lambda s, it: float("nan") if it % 4 == 0 else -1.0, 20)
     assert c.table == [64, 64] and all(math.isfinite(h) for h in c.h0)
+
+
+# ---------------------------------------------------------------------- the driver's interface
+
+#: A driver state saved before the RankControl interface (trimmed from a TP1·PP2·DP2 run
+#: with DAC, calibrated g and the pipeline controller, at iteration 10).
+OLD_PAPER_STATE = {
+    "controller": {"in_warmup": False, "warmup_end_iter": 4, "window_index": 5,
+                   "window_samples": [[], []],
+                   "window_means": [[-4.2, -4.33], [-6.12, -4.53], [-7.49, -4.82]],
+                   "stable_windows": 0, "table": [8, 8], "h0": [-6.12, -4.53], "r0": [8, 8]},
+    "stage_shapes": [[2048, 64], [2048, 64]],
+    "calibrated_g": [[1.0] + [0.5] * 63 + [0.0], None],
+    "pp_controller": {"in_warmup": False, "warmup_end_iter": 4, "window_index": 5,
+                      "window_samples": [[]], "window_means": [[-9.1], [-9.3]],
+                      "stable_windows": 0, "table": [8], "h0": [-9.1], "r0": [8]},
+    "budget_scales": None, "dp_table": [8, 10], "pp_rank": 8, "table_version": 5,
+    "dac_fit": [[1.5, 9.0, 30.0, 60.0, 200.0], [1.5, 9.0, 20.0, 60.0, 130.0]],
+    "dac_window_times": [[10.0, 2.0, 0.0, 0.0], [12.0, 2.0, 1.0, 2.0]],
+    "time_models": [[0.5, 3.0], [0.25, 2.0]], "slack": [0.0, 6.5]}
+
+
+def make_paper_control(pipeline=True, dac=True):
+    from megatron_edgc.control.rank_control import PaperControl
+    from megatron_edgc.runtime.dac import StageTimeFits
+
+    settings = ControllerSettings(window=2, iter_sample_rate=1.0, rank_max=8,
+                                  warmup_max_iters=4)
+    pp = RankController(settings, [RankModel(128, 64)]) if pipeline else None
+    return PaperControl(RankController(settings, [RankModel(2048, 64)] * 2),
+                        alignment=StageTimeFits(2, settings) if dac else None, pipeline=pp)
+
+
+def test_paper_control_loads_a_state_saved_before_the_interface():
+    control = make_paper_control()
+    control.load_state_dict(OLD_PAPER_STATE)
+    assert control.controller.table == [8, 8] and control.pipeline.table == [8]
+    assert control.controller.rank_models[0].g(1) == 0.5          # calibrated g restored
+    assert control.controller.rank_models[1].g(1) < 1.0
+    assert control.alignment.models[1].eta == 0.25 and control.alignment.slack == [0.0, 6.5]
+    assert control.decode_table(OLD_PAPER_STATE["dp_table"]) == [8, 10]
+    state = control.state_dict()
+    assert set(state) <= set(OLD_PAPER_STATE)                     # the old keys, no new ones
+    as_saved = json.loads(json.dumps(state))                       # tuples as lists
+    assert as_saved == {k: OLD_PAPER_STATE[k] for k in state}
+    # DAC off: its keys of an old checkpoint are ignored, none written
+    plain = make_paper_control(pipeline=False, dac=False)
+    plain.load_state_dict(OLD_PAPER_STATE)
+    assert set(plain.state_dict()) == {"controller", "pp_controller", "calibrated_g"}
+
+
+def test_paper_control_window_end_aligns_then_broadcasts_table_and_pipeline_rank():
+    calls = []
+
+    class Alignment:
+        def probe_rank(self, iteration, warmup_end_iter):
+            return 6 if iteration == 99 else None
+
+        def window_end(self, table):
+            calls.append(list(table))
+            return [t if t is None else t + 1 for t in table]
+
+    control = make_paper_control()
+    control.alignment = Alignment()
+    control.controller.table, control.pipeline.table = [4, 5], [3]
+    sent = []
+    table, pp = control.window_end(lambda values: sent.append(values) or values)
+    assert calls == [[4, 5]] and sent == [[5, 6, 3]] and (table, pp) == ([5, 6], 3)
+    assert control.rank_in_force(10, table, 1) == 6 and control.rank_in_force(99, table, 1) == 6
+    assert control.rank_in_force(11, table, 0) == 5
+    assert control.applied_ranks(99, table) == [6, 6]
+    assert control.record(table) == {"rank_cqm": [4, 5]}
+
+
+def test_budget_control_sends_shape_ranks_as_ints_and_loads_the_old_state():
+    from megatron_edgc.control.rank_allocation import BudgetRankController
+    from megatron_edgc.runtime.budget import BudgetControl
+
+    settings = ControllerSettings(window=2, iter_sample_rate=1.0, rank_max=8, rank_min=1,
+                                  warmup_max_iters=4)
+    groups = [[(64, 256, 2), (2048, 64, 1)], [(64, 64, 4)]]
+    controller = BudgetRankController(settings, groups, byte_budget=0.5)
+    control = BudgetControl(controller, None, optimizer=None, lr_at=None, schedule="lr",
+                            train_iters=20, stage=0, device="cpu")
+    controller.table = [{(64, 256): 5, (2048, 64): 2}, None]
+    sent = []
+    table, pp = control.window_end(lambda values: sent.append(values) or values)
+    assert sent == [[5, 2, None, None]] and pp is None
+    assert table == [{(64, 256): 5, (2048, 64): 2}, None]
+    assert control.applied_ranks(0, table) == [round(controller.effective_rank(0), 2), None]
+    assert control.record(table)["rank_dp_shapes"] == [{"64x256": 5, "2048x64": 2}, None]
+    saved = control.encode_table(table)
+    assert saved == [[[64, 256, 5], [2048, 64, 2]], None] and control.decode_table(saved) == table
+    # a state from before the interface: the keys it had, budget scales included
+    old = {"controller": controller.state_dict(), "stage_shapes": [[2048, 64], [64, 64]],
+           "calibrated_g": None, "pp_controller": None, "budget_scales": [[6, 1.2], [8, 0.8]],
+           "dp_table": saved, "pp_rank": None, "table_version": 3}
+    fresh = BudgetControl(BudgetRankController(settings, groups, byte_budget=0.5), None,
+                          optimizer=None, lr_at=None, schedule="lr", train_iters=20, stage=0,
+                          device="cpu")
+    fresh.load_state_dict(old)
+    assert fresh.scales == {6: 1.2, 8: 0.8} and fresh.controller.table == controller.table
+    state = fresh.state_dict()
+    assert set(state) <= set(old)
+    assert json.loads(json.dumps(state["budget_scales"])) == old["budget_scales"]

@@ -246,17 +246,20 @@ class BudgetRankController(RankController):
     # ------------------------------------------------------------------ state
 
     @staticmethod
-    def _encode_table(table: list) -> list:
+    def encode_table(table: list) -> list:
+        """A table of per-shape ranks as JSON-able lists ``[[n, m, rank], …]`` per stage
+        (the checkpoint form; None stays None)."""
         return [None if t is None else [[n, m, r] for (n, m), r in sorted(t.items())]
                 for t in table]
 
     @staticmethod
-    def _decode_table(table: list) -> list:
+    def decode_table(table: list) -> list:
+        """Inverse of :meth:`encode_table`."""
         return [None if t is None else {(n, m): r for n, m, r in t} for t in table]
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["table"] = self._encode_table(self.table)
+        state["table"] = self.encode_table(self.table)
         state.update(captured=copy.deepcopy(self.captured), byte_budget=self.byte_budget,
                      weights=copy.deepcopy(self.weights),
                      measured_windows=self.measured_windows, budget_scale=self.budget_scale,
@@ -268,5 +271,5 @@ class BudgetRankController(RankController):
             raise ValueError("budget controller state was saved for other matrix shapes")
         state = copy.deepcopy(state)
         state.pop("groups")
-        state["table"] = self._decode_table(state["table"])
+        state["table"] = self.decode_table(state["table"])
         super().load_state_dict(state)

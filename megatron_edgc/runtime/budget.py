@@ -1,7 +1,9 @@
-"""What the budget controller is fed at run time (``--edgc-controller budget``, beyond the
-paper: docs/method.md §8, :mod:`megatron_edgc.control.rank_allocation`).
+"""The budget controller at run time (``--edgc-controller budget``, beyond the paper:
+docs/method.md §8): :class:`BudgetControl`, the driver's
+:class:`~megatron_edgc.control.rank_control.RankControl` for per-shape ranks.
 
-At every window end after warm-up: the window's column energies per stage and matrix
+It runs :class:`~megatron_edgc.control.rank_allocation.BudgetRankController` and feeds
+it, at every window end after warm-up: the window's column energies per stage and matrix
 shape (PowerSGD's own spectrum, summed over the job by one all-reduce), with
 ``--edgc-budget-weight adam`` the error weights from the optimizer's second moment, and
 with ``--edgc-budget-schedule lr`` a budget scale per window from the LR schedule.
@@ -14,7 +16,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.control.rank_allocation import adam_weights, sqrt_lr_scales
+from megatron_edgc.control.controller import ControllerSettings
+from megatron_edgc.control.rank_allocation import (BudgetRankController, adam_weights,
+                                                   sqrt_lr_scales)
+from megatron_edgc.control.rank_control import RankControl
 
 
 def adam_second_moments(optimizer) -> tuple:
@@ -42,24 +47,105 @@ def adam_second_moments(optimizer) -> tuple:
     return out, eps
 
 
-class BudgetFeed:
-    """Feeds a :class:`~megatron_edgc.control.rank_allocation.BudgetRankController` of the
-    job from this rank's DP compression (``optimizer``: for the Adam weights, or None)."""
+class BudgetControl(RankControl):
+    """Per-shape DP ranks from a byte budget: a table entry is ``{(n, m): rank}`` of the
+    stage's compressible shapes. Built by :meth:`build`; fed from this rank's DP
+    compression (``optimizer``: for the Adam weights, or None; ``lr_at``: step -> LR)."""
 
-    def __init__(self, controller, dp_compression, *, optimizer, lr_at: Optional[Callable],
-                 schedule: str, train_iters: int, window: int, rank_max: int, stage: int,
-                 num_stages: int, device: torch.device):
-        self.controller, self.dp_compression, self.optimizer = controller, dp_compression, optimizer
+    def __init__(self, controller: BudgetRankController, dp_compression, *, optimizer,
+                 lr_at: Optional[Callable], schedule: str, train_iters: int, stage: int,
+                 device: torch.device, pipeline=None):
+        super().__init__(controller, pipeline=pipeline)
+        self.dp_compression, self.optimizer = dp_compression, optimizer
         self.lr_at = lr_at  # step -> LR of the run's schedule (--edgc-budget-schedule lr)
-        self.schedule, self.train_iters, self.window = schedule, train_iters, window
-        self.rank_max, self.stage, self.num_stages = rank_max, stage, num_stages
-        self.device = device
+        self.schedule, self.train_iters = schedule, train_iters
+        self.rank_max = controller.settings.rank_max
+        self.stage, self.device = stage, device
         self.scales: Optional[dict] = None  # window start -> budget scale
+
+    @classmethod
+    def build(cls, cfg, settings: ControllerSettings, dp_compression, *, stage: int,
+              num_stages: int, device: torch.device, optimizer=None,
+              lr_at: Optional[Callable] = None, pipeline=None) -> "BudgetControl":
+        """Every stage's shapes gathered over the job (one ``all_gather_object``), the
+        spectrum tracked by the DP compression from now on."""
+        e = cfg.edgc
+        if e.budget_weight == "adam" and optimizer is None:
+            raise ValueError("--edgc-budget-weight adam needs the optimizer")
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (stage, sorted(dp_compression.shape_counts().items())))
+        stage_groups = [None] * num_stages
+        for s, items in gathered:
+            if stage_groups[s] is None:
+                stage_groups[s] = [(n, m, c) for (n, m), c in items]
+        controller = BudgetRankController(
+            settings, stage_groups, byte_budget=e.byte_budget,
+            min_compression_rate=e.min_compression_rate,
+            max_step=e.rank_step if e.budget_step_limit == "on" else None)
+        dp_compression.track_spectrum(True)
+        return cls(controller, dp_compression,
+                   optimizer=optimizer if e.budget_weight == "adam" else None, lr_at=lr_at,
+                   schedule=e.budget_schedule, train_iters=cfg.training.train_iters,
+                   stage=stage, device=device, pipeline=pipeline)
+
+    # ------------------------------------------------------------------ RankControl
+
+    def applied_ranks(self, iteration: int, installed: list) -> list:
+        """The byte-equivalent uniform rank of each stage's shape ranks."""
+        c = self.controller
+        return [None if r is None else round(r, 2)
+                for r in (c.effective_rank(s) for s in range(self.num_stages))]
+
+    def record(self, installed: list) -> dict:
+        return {"budget_scale": self.controller.budget_scale,
+                "rank_dp_shapes": [
+                    None if t is None else {f"{n}x{m}": r for (n, m), r in sorted(t.items())}
+                    for t in installed]}
+
+    def _before_decision(self, iteration: int) -> None:
+        if self.is_window_end(iteration) and not self.controller.in_warmup:
+            self.observe_spectrum()
+            self.set_scale(iteration + 1)
+
+    def _warmup_ended(self, iteration: int) -> dict:
+        self.plan_scales(iteration + 1 + self.settings.window)  # after the r_max window
+        return {}
+
+    def _to_ints(self, table: list) -> list:
+        """Shape ranks, flattened in every stage's shape order (None for each of a dense
+        stage's shapes)."""
+        return [None if t is None else t[shape]
+                for s, t in enumerate(table) for shape in self.controller.shapes_of(s)]
+
+    def _from_ints(self, values: list, like: list) -> list:
+        table, k = [], 0
+        for s, t in enumerate(like):
+            shapes = self.controller.shapes_of(s)
+            table.append(None if t is None else dict(zip(shapes, values[k:k + len(shapes)])))
+            k += len(shapes)
+        return table
+
+    def encode_table(self, table: list) -> list:
+        return BudgetRankController.encode_table(table)
+
+    def decode_table(self, saved: list) -> list:
+        return BudgetRankController.decode_table(saved)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "budget_scales": sorted(self.scales.items())
+                if self.scales is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        scales = state.get("budget_scales")
+        self.scales = dict(scales) if scales is not None else None
+
+    # ------------------------------------------------------------------ the feed
 
     def plan_scales(self, start: int) -> None:
         """At warm-up end: the budget scale of every remaining window (mean 1), from the
         LR schedule at each window's middle; constant schedule: all 1."""
-        w, end = self.window, self.train_iters
+        w, end = self.settings.window, self.train_iters
         if self.schedule != "lr" or self.lr_at is None:
             return
         mids = list(range(start + w // 2, end, w))

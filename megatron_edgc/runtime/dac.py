@@ -7,7 +7,8 @@ every window end refits (least-squares sums over all windows so far, decayed by
 window's mean backward and send times
 (:func:`~megatron_edgc.control.stage_alignment.aligned_ranks`). The timings are per-stage
 means over the job (one all-reduce per iteration, the caller's), so every rank computes
-the same table.
+the same table. :class:`StageTimeFits` is the
+:class:`~megatron_edgc.control.rank_control.TableAlignment` the paper's control carries.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def probe_rank(iteration: int, warmup_end_iter: Optional[int], settings) -> Opti
 
 class StageTimeFits:
     """The decayed least-squares sums of every stage's (rank, DP-sync time) pairs and the
-    current window's backward and send times; :meth:`align` turns them into ranks."""
+    current window's backward and send times; :meth:`align` turns them into ranks.
+    ``settings`` (the controller's): the probe's ranks and window, and ``r_max``."""
 
-    def __init__(self, num_stages: int):
+    def __init__(self, num_stages: int, settings=None):
         self.num_stages = num_stages
+        self.settings = settings
         self.sums = [[0.0] * 5 for _ in range(num_stages)]          # n, Σr, Σt, Σr², Σrt
         self.window_times = [[0.0] * 4 for _ in range(num_stages)]  # Σt_b, n, Σt_p2p, n
         self.models: Optional[list] = None   # LinearTimeModel per stage, after a fit
@@ -95,6 +98,17 @@ class StageTimeFits:
 
     def new_window(self) -> None:
         self.window_times = [[0.0] * 4 for _ in range(self.num_stages)]
+
+    def probe_rank(self, iteration: int, warmup_end_iter: Optional[int]) -> Optional[int]:
+        """The probe window's rank of every stage (:func:`probe_rank`), or None."""
+        return probe_rank(iteration, warmup_end_iter, self.settings)
+
+    def window_end(self, table: list) -> list:
+        """Window end: the table aligned (once compression runs), and a new window."""
+        if table[0] is not None:
+            table = self.align(table, self.settings.rank_max)
+        self.new_window()
+        return table
 
     def record(self) -> dict:
         """Telemetry of the last fit (empty before the first)."""

@@ -2,18 +2,21 @@
 pooled over the stage's ranks (one all-reduce each):
 
 * ``--edgc-g calibrated`` (EDGC §4): at warm-up end, the rank model's ``g`` from the
-  singular values of a dominant-shape gradient;
+  singular values of a dominant-shape gradient (:class:`GCalibration`, the paper
+  control's :class:`~megatron_edgc.control.rank_control.Calibration`);
 * ``--edgc-grad-stats`` (the entropy study, BENCHMARKS.md): skewness, excess kurtosis and
   the Gaussian entropy per layer type.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from megatron_edgc.compression.powersgd import matrix_shape
-from megatron_edgc.control.entropy import LAYER_TYPES, moments_from_power_sums, power_sums
+from megatron_edgc.control.entropy import LAYER_TYPES, moments_from_power_sums
 from megatron_edgc.control.rank_model import RankModel
 
 
@@ -60,18 +63,46 @@ def calibrated_rank_models(calib_grad, stage_shapes: list, rank_models: list, *,
     return models, calibrated
 
 
-def grad_stats(samples: list, type_sums: torch.Tensor, *, stage: int, num_stages: int,
-               device: torch.device) -> dict:
+class GCalibration:
+    """``--edgc-g calibrated``: this rank's gradient of one dominant-shape matrix of its
+    stage, captured on the measured warm-up iterations (the last one counts), and at
+    warm-up end every stage's ``g`` from the captures (:func:`calibrated_rank_models`)."""
+
+    def __init__(self, chunks, dp_compression, stage_shapes: list, *, stage: int,
+                 device: torch.device):
+        self.stage_shapes, self.stage, self.device = stage_shapes, stage, device
+        self.param = next((p for c in chunks for p in c.module.parameters()
+                           if matrix_shape(p.shape) == stage_shapes[stage]), None)
+        self.bucket = None   # the key of the DDP bucket holding the parameter's gradient
+        if self.param is not None:
+            ptr = self.param.main_grad.data_ptr()
+            self.bucket = next(
+                key for key, grad in dp_compression.bucket_grads()
+                if grad.data_ptr() <= ptr < grad.data_ptr() + grad.numel() * grad.element_size())
+        self.grad: Optional[torch.Tensor] = None
+
+    def capture(self, key: str) -> None:
+        if key == self.bucket:
+            self.grad = self.param.main_grad.detach().float().view(
+                self.stage_shapes[self.stage]).clone()
+
+    def fit(self, rank_models: list) -> tuple[list, list]:
+        return calibrated_rank_models(self.grad, self.stage_shapes, rank_models,
+                                      stage=self.stage, device=self.device)
+
+
+def grad_stats(sample_sums: Optional[torch.Tensor], type_sums: torch.Tensor, *, stage: int,
+               num_stages: int, device: torch.device) -> dict:
     """``--edgc-grad-stats``: skewness and excess kurtosis of the sampled gradient and
     the Gaussian entropy per layer type, per stage, pooled over the stage's ranks (one
     all-reduce of power sums, so the moments are those of the pooled sample).
-    ``type_sums``: this rank's power sums per layer type (:data:`LAYER_TYPES`)."""
+    ``sample_sums``: this rank's :func:`power_sums` of its sample (order 4, or None);
+    ``type_sums``: its power sums per layer type (:data:`LAYER_TYPES`, order 2)."""
     n_types = len(LAYER_TYPES)
-    sums = torch.zeros(num_stages, 5 + 3 * n_types, dtype=torch.float64)
-    if samples:
-        sums[stage, :5] = power_sums(torch.cat(samples))
+    sums = torch.zeros(num_stages, 5 + 3 * n_types, dtype=torch.float64, device=device)
+    if sample_sums is not None:
+        sums[stage, :5] = sample_sums
     sums[stage, 5:] = type_sums.view(-1)
-    sums = sums.to(device)
     dist.all_reduce(sums)
     sums = sums.cpu()
     stats = [moments_from_power_sums(row[:5]) for row in sums]
