@@ -16,13 +16,15 @@ docs/megatron-lm-seams.md says why these):
   checkpoint) the EDGC runtime (:class:`~megatron_edgc.runtime.step.EdgcRuntime`, the one
   this project's trainer uses) is built on them;
 * ``training.train_step``: the runtime runs around each step — ranks in force before the
-  forward/backward, the compressing PP communicator passed to the schedule, the telemetry
-  all-reduce and the controller's decision after the optimizer step; scalars go to
-  Megatron-LM's TensorBoard writer (tags ``edgc/*``) and ``--edgc-metrics-file``;
-* ``training.save_checkpoint`` / ``training.load_checkpoint``: every rank writes its
-  compressor and controller state to ``iter_XXXXXXX/edgc/tp{T}_pp{P}_dp{D}.pt`` before
-  Megatron writes its own files and the ``latest`` pointer, and reads it back on resume
-  (:mod:`.checkpoint`).
+  forward/backward, the compressing PP communicator passed to the schedule, the
+  controller's decision after the optimizer step; at Megatron-LM's ``--log-interval`` the
+  records since the last one (this project's trainer's, ``iter_ms`` included) are read
+  from the device with one telemetry all-reduce and go to Megatron-LM's TensorBoard writer
+  (tags ``edgc/*``) and ``--edgc-metrics-file``;
+* ``training.save_checkpoint`` / ``training.load_checkpoint``: every rank writes the
+  pending records, then its compressor and controller state to
+  ``iter_XXXXXXX/edgc/tp{T}_pp{P}_dp{D}.pt`` before Megatron writes its own files and the
+  ``latest`` pointer, and reads it back on resume (:mod:`.checkpoint`).
 
 With ``--edgc-mode off`` and ``--edgc-pp-compression off`` every wrapper passes through.
 On CPU (tests, laptops) ``python -m megatron_edgc.megatron_lm.cpu pretrain_gpt.py ...``
