@@ -209,16 +209,16 @@ class EdgcDriver:
         return sums
 
     def _means_of(self, sums: torch.Tensor, extra: bool = False):
-        sums = sums.view(2, self.num_stages + 1)
-        means = [(sums[0, s] / sums[1, s]).item() if sums[1, s] > 0 else float("nan")
-                 for s in range(self.num_stages + 1)]
+        """The per-stage means of :meth:`_stage_sums` summed over the job (one read)."""
+        totals, counts = sums.view(2, self.num_stages + 1).tolist()
+        means = [t / c if c > 0 else float("nan") for t, c in zip(totals, counts)]
         return (means[:-1], means[-1]) if extra else means[:-1]
 
     def _stage_mean(self, local: float):
         """Average a per-rank scalar over each stage's ranks (one all-reduce, all ranks)."""
         sums = self._stage_sums(local).to(self.device)
         dist.all_reduce(sums)
-        return self._means_of(sums.cpu())
+        return self._means_of(sums)
 
     def entropy_sums(self, on_device: bool = False) -> torch.Tensor:
         """This iteration's sampled entropies as per-stage sums ``[[Σ H], [count]]`` (a
@@ -264,7 +264,7 @@ class EdgcDriver:
             if entropy_sums is None:
                 entropy_sums = self.entropy_sums(on_device=True)
                 dist.all_reduce(entropy_sums)
-            entropies, pp_entropy = self._means_of(entropy_sums.cpu(), extra=True)
+            entropies, pp_entropy = self._means_of(entropy_sums, extra=True)  # the host read
             self.control.observe(iteration, entropies, pp_entropy)
             if self.pp_entropy is not None:
                 record["entropy_pp"] = pp_entropy
