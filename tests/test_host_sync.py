@@ -4,8 +4,10 @@ The counter (``tests/host_sync.py``) sees, on the CPU, every call that would mak
 wait for a GPU. A compressed step makes none: of one bucket (fp32 and bf16 factors, with
 and without the spectrum, finite and not), of the pipeline message path, of the patched
 DP sync in one process, and of a real 4-process megatron-core job with
-``overlap_grad_reduce``. The DP sync's times are CUDA events resolved once per step; here
-a fake event clock stands in for the GPU.
+``overlap_grad_reduce``. The DP sync's times are CUDA events, read where the runtime
+reads its telemetry; here a fake event clock stands in for the GPU. Over whole trainer
+iterations (issue 43) megatron_edgc's code makes none between two log intervals, except
+where the EDGC controller reads the job's figures.
 """
 
 import collections
@@ -396,3 +398,21 @@ def test_the_trainer_makes_no_host_sync_between_log_intervals(small_model_argv, 
     for rank in range(4):   # the reads at the log intervals (the counter sees them)
         assert {tag for r, tag, call, _ in ours if r == rank and call == "IntervalClock.wait"} \
             == {3, 6, 7}, rank
+
+
+def test_in_edgc_mode_only_the_controllers_reads_add_host_syncs(small_model_argv, tmp_path):
+    """EDGC mode with DAC and the PP controller (window 4, entropy on every 4th iteration),
+    12 iterations at --log-interval 5: besides the log intervals (5, 10, 12), the host
+    reads the device only where the controller reads the job's figures: the measured
+    iterations (1, 5, 9: the entropies) and the window ends (4, 8, 12: DAC's fits decide,
+    the table is broadcast). Iterations 2, 3, 6, 7 and 11 make none of ours."""
+    results = run_counted_job(
+        small_model_argv + LAYOUTS["tp1-pp2-dp2"]
+        + ["--edgc-mode", "edgc", "--edgc-window", "4", "--edgc-warmup-max-iters", "4",
+           "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
+           "--edgc-iter-sample-rate", "0.25", "--edgc-pp-compression", "edgc",
+           "--edgc-pp-rank-max", "16", "--edgc-dac", "on", "--train-iters", "12",
+           "--log-interval", "5", "--eval-interval", "10"],
+        str(tmp_path / "out"))
+    tags = {s["tag"] for r in results for s in r["syncs"] if s["maker"] == "megatron_edgc"}
+    assert tags - {0} == {1, 4, 5, 8, 9, 10, 12}

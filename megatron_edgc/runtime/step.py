@@ -191,8 +191,7 @@ class EdgcRuntime:
         d = self.edgc
         if d is None:
             return False
-        window_end = (iteration + 1) % d.settings.window == 0
-        return d.controller.should_measure(iteration) or (d.dac and window_end)
+        return d.control.should_measure(iteration) or (d.dac and d.control.is_window_end(iteration))
 
     def rank_per_stage(self, stats) -> Optional[list]:
         """The DP-sync rank in force this iteration, one entry per pipeline stage."""
