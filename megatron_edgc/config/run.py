@@ -70,9 +70,5 @@ class RunConfig:
         check_run_layout(self)
         return self
 
-    def _check_compression_ranks(self, shapes: list) -> None:
-        """Kept for ``megatron_lm/seams.py``: :func:`validate_edgc` with the model's shapes."""
-        validate_edgc(self, shapes)
-
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(section) for name, section in self.sections()}

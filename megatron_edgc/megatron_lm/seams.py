@@ -19,7 +19,7 @@ import functools
 import inspect
 import sys
 
-from megatron_edgc.config import ConfigError
+from megatron_edgc.config import ConfigError, validate_edgc
 from megatron_edgc.megatron_lm.checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
 from megatron_edgc.megatron_lm.flags import run_config
 from megatron_edgc.megatron_lm.state import state as _state
@@ -104,7 +104,7 @@ def _build_runtime(model, optimizer, scheduler) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, shapes)
     try:
-        cfg._check_compression_ranks(shapes=[s for rank in gathered for s in rank])
+        validate_edgc(cfg, shapes=[s for rank in gathered for s in rank])
     except ConfigError as exc:
         if dist.get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
