@@ -52,3 +52,19 @@ def test_bytes_and_rank_change():
     assert torch.equal(s.q, q8[:, :4])
     s.set_rank(6)
     assert s.q.shape == (64, 6) and torch.equal(s.q[:, :4], q8[:, :4])
+
+
+def test_prepare_seeds_the_warm_start_before_the_first_send():
+    """The runtime prepares each sender before the schedule: the first compressed send then
+    seeds nothing inside backward, and gives bit for bit what an unprepared sender gives;
+    preparing again keeps what was learnt."""
+    prepared, plain = ActivationGradSender(4, seed=3), ActivationGradSender(4, seed=3)
+    prepared.prepare(20, 48, torch.device("cpu"))
+    assert prepared.q.shape == (48, 4) and prepared.residual.shape == (20, 48)
+    assert prepared.residual.abs().sum() == 0
+    grad = torch.randn(10, 2, 48, generator=torch.Generator().manual_seed(4))
+    for a, b in zip(prepared.compress(grad), plain.compress(grad)):
+        assert torch.equal(a, b)
+    q, residual = prepared.q, prepared.residual
+    prepared.prepare(20, 48, torch.device("cpu"))
+    assert prepared.q is q and prepared.residual is residual

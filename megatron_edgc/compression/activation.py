@@ -52,6 +52,16 @@ class ActivationGradSender:
                                         lambda tag, cols: self._seeded(tag, m, cols))[0]
         self.rank = rank
 
+    def prepare(self, n: int, m: int, device) -> None:
+        """The warm start ``[m, r]`` and the residual ``[n, m]`` for messages of ``n x m``,
+        where they are missing or of another shape (the runtime calls it before the
+        schedule; :meth:`compress` again, for a message of another shape)."""
+        r = min(self.rank, n, m)
+        if self.q is None or self.q.shape != (m, r):
+            self.q = to_device(self._seeded("init", m, r)[0], device)
+        if self.residual is None or self.residual.shape != (n, m):
+            self.residual = torch.zeros(n, m, device=device)
+
     def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``grad`` [..., hidden] → (P^ [n, r], Q [m, r]) in fp32; updates the residual.
 
@@ -66,11 +76,7 @@ class ActivationGradSender:
         # gradient is read slice by slice instead (ErrorFeedback.blocks)
         mat = mat.clone() if mat.dtype == torch.float32 else mat
         n = mat.shape[0]
-        r = min(self.rank, n, m_dim)
-        if self.q is None or self.q.shape != (m_dim, r):
-            self.q = to_device(self._seeded("init", m_dim, r)[0], mat.device)
-        if self.residual is None or self.residual.shape != (n, m_dim):
-            self.residual = torch.zeros(n, m_dim, device=mat.device)
+        self.prepare(n, m_dim, mat.device)
         g = ShapeGroup(n, m_dim, [0], [self.name], q=self.q.unsqueeze(0),
                        residual=self.residual.unsqueeze(0))
         views = self._ef.views(g, [mat])

@@ -133,11 +133,6 @@ class BucketCompressor(LowRankState):
         first, second = self.layouts()
         return first.bytes(), second.bytes()
 
-    def first_collectives(self) -> list:
-        """Bytes of each collective of the first phase, in the order :meth:`start` returns
-        them."""
-        return self.phase_bytes()[0]
-
     def collective_numels(self) -> tuple[int, int]:
         """Elements of the two collectives: ``[P | dense rest | flag]`` and ``Q``."""
         p, q = self._factor_numels()

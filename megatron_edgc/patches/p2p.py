@@ -315,6 +315,20 @@ class CompressingP2PCommunicator(_P2PBase):
             self.senders[chunk] = self._new_sender(chunk, self.rank)
         return self.senders[chunk]
 
+    def prepare(self, shape, device) -> None:
+        """Every sender's warm start and residual for messages of ``shape`` at the rank in
+        force, before the schedule: the first compressed send seeds nothing inside
+        backward (a message of another shape still re-seeds there)."""
+        if self.rank is None:
+            return
+        chunks = set(self._send_chunk) if self._send_chunk is not None else \
+            ({0} if self.stage > 0 else set())
+        n, m = math.prod(shape[:-1]), shape[-1]
+        for chunk in sorted(chunks):
+            if chunk not in self.senders:
+                self.senders[chunk] = self._new_sender(chunk, self.rank)
+            self.senders[chunk].prepare(n, m, device)
+
     def _new_sender(self, chunk: int, rank: int) -> ActivationGradSender:
         return ActivationGradSender(rank, seed=self.seed,
                                     name=f"pp-stage{self.stage}-chunk{chunk}")
@@ -349,10 +363,18 @@ class CompressingP2PCommunicator(_P2PBase):
         with torch.no_grad():
             out.copy_(decompress(p_hat, q, out.shape, out.dtype))
 
-    def check_messages(self) -> None:
-        """Raise :class:`PipelineRankMismatch` for the step's first received message whose
-        header was not the expected one (reads the headers: once per step, after its work)."""
+    def take_received(self) -> list:
+        """The step's received headers, unread, handed over (for :meth:`check_messages` at
+        the log interval); the next step's start empty."""
         received, self._received = self._received, []
+        return received
+
+    def check_messages(self, received: Optional[list] = None) -> None:
+        """Raise :class:`PipelineRankMismatch` for the first received message whose header
+        was not the expected one, of ``received`` (:meth:`take_received`) or of the step so
+        far (reads the headers: call after the step's work)."""
+        if received is None:
+            received = self.take_received()
         if not received:
             return
         headers = torch.stack([header for _, _, header in received]).tolist()

@@ -65,6 +65,7 @@ class EdgcRuntime:
                  optimizer=None,
                  log: Callable[[str], None] = lambda line: print(line, flush=True)):
         self.cfg, self.stage, self.num_stages, self.device = cfg, stage, num_stages, device
+        self.activation_shape = activation_shape
         self.log = log
         e = cfg.edgc
         self.dp_rank = dist.get_rank(dp_group)
@@ -149,6 +150,8 @@ class EdgcRuntime:
         self.begin_schedule()
         if self.p2p is not None and e.pp_compression == "static":
             self.p2p.set_rank(e.pp_rank if iteration >= e.start_iter else None, 0)
+        if self.p2p is not None:   # the senders' warm starts, outside backward
+            self.p2p.prepare(self.activation_shape, self.device)
 
     def begin_schedule(self) -> None:
         """Restart the per-iteration counters (again if a step's schedule is re-run)."""
@@ -207,9 +210,7 @@ class EdgcRuntime:
         pp = received = None
         if self.p2p is not None:
             pp, self.p2p.stats = self.p2p.stats, PPSendStats(stage=self.p2p.stats.stage)
-            # the received headers, for check_messages() at the flush (p2p.py keeps them in
-            # _received and replaces the list at the next begin_iteration)
-            received, self.p2p._received = self.p2p._received, []
+            received = self.p2p.take_received()   # checked at the flush
         check = self.cfg.edgc.check_replicas and self.dp_compression is not None
         return _TakenStep(
             iteration=iteration, record=record, dp=dp, pp=pp, received=received,
@@ -234,9 +235,7 @@ class EdgcRuntime:
         clock.anchor()   # the device is idle: wall times from here
         for step in steps:
             if step.pp is not None:
-                current, self.p2p._received = self.p2p._received, step.received
-                self.p2p.check_messages()   # a disagreeing pipeline message: raise here
-                self.p2p._received = current
+                self.p2p.check_messages(step.received)   # a disagreeing message: raise here
                 step.pp.resolve()
         DPSyncStats.resolve_all([s.dp for s in steps if s.dp is not None], wait=False)
         rows = torch.stack([self._row(s) for s in steps]).to(self.device)
