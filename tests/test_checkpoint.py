@@ -40,12 +40,14 @@ def pretrain(argv, timeout=300):
     # MoE, EP 2 on DP 4: a model file per EP rank (its experts), experts' residuals per rank
     ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4", "--num-experts", "4",
      "--expert-model-parallel-size", "2", "--edgc-mode", "static", "--edgc-rank", "4"],
-    # Megatron's partial distributed optimizer, 2 instances of 2: shard residuals per rank
+    # Megatron's partial distributed optimizer, 2 instances of 2: shard residuals per rank;
+    # with bf16 training and bf16 gradient buffers (--grad-reduce-in-bf16): EDGC's step on
+    # bf16 buckets resumes exactly too
     ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
      "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-     "--edgc-mode", "static", "--edgc-rank", "4"],
+     "--edgc-mode", "static", "--edgc-rank", "4", "--bf16", "--grad-reduce-in-bf16"],
 ], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4", "edgc-pp-compression",
-        "budget-controller", "moe-ep2", "instances-2"])
+        "budget-controller", "moe-ep2", "instances-2-bf16-buffers"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")
