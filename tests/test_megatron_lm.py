@@ -405,6 +405,8 @@ def _check_model_job(megatron_lm, tmp_path, model: list, edgc: list, want_bytes,
     return out, whole
 
 
+@pytest.mark.extended   # 94 s a tag: make test-compat (the trainer's MoE resume and
+# test_group_sync's expert-DP groups stay in make test)
 def test_moe_expert_parallel_job(megatron_lm, tmp_path):
     """MoE with EP 2 on DP 4: dense buckets over DP (4), experts over expert-DP (2); the
     bytes of each group from the shapes at the controller's rank."""
