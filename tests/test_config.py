@@ -86,6 +86,9 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-budget-weight", "adam",
       "--use-distributed-optimizer"], "--edgc-budget-weight", "distributed optimizer", None),
     (["--edgc-budget-weight", "fisher"], "--edgc-budget-weight", "elements, adam", None),
+    # calibrated g fits the paper controller's rank model; the budget controller has none
+    (["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-g", "calibrated"],
+     "--edgc-g", "the budget controller has no rank model", None),
     (["--edgc-factor-dtype", "fp8"], "--edgc-factor-dtype", "fp32, bf16", None),
     (["--edgc-warmup-eps", "0"], "--edgc-warmup-eps", "(0.0, inf]", None),
     (["--edgc-warmup-windows", "0"], "--edgc-warmup-windows", "[1, inf]", None),

@@ -169,6 +169,10 @@ class EdgcConfig:
             raise ConfigError("--edgc-budget-weight", "adam weighs the budget controller's "
                                                       "allocation: needs --edgc-mode edgc "
                                                       "--edgc-controller budget")
+        if self.g == "calibrated" and self.controller == "budget":
+            raise ConfigError("--edgc-g", "calibrated fits the paper controller's rank model "
+                                          "(--edgc-controller paper); the budget controller "
+                                          "has no rank model")
         if self.pp_compression == "edgc" and self.mode != "edgc":
             raise ConfigError("--edgc-pp-compression", "edgc needs --edgc-mode edgc (the "
                                                        "window machinery); use static otherwise")
