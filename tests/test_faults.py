@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from distributed import read_jsonl
 from megatron_edgc.runtime.telemetry import MetricsWriter
 from megatron_edgc.training.launch import free_port
@@ -61,10 +63,16 @@ def _worker_with_rank(pid: int, rank: int):
     return None
 
 
-def test_killed_rank_restarts_from_last_checkpoint(small_model_argv, tmp_path):
-    base = small_model_argv + ["--pipeline-model-parallel-size", "2", "--data-parallel-size",
-                               "2", "--edgc-mode", "static", "--edgc-rank", "4",
-                               "--train-iters", "20", "--eval-interval", "10"]
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2"],
+    # the slow hop: 2 distributed-optimizer instances of 2, bf16 gradient buffers
+    ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
+     "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--bf16",
+     "--grad-reduce-in-bf16"],
+], ids=["pp2-dp2", "instances-2-bf16"])
+def test_killed_rank_restarts_from_last_checkpoint(layout, small_model_argv, tmp_path):
+    base = small_model_argv + layout + ["--edgc-mode", "static", "--edgc-rank", "4",
+                                        "--train-iters", "20", "--eval-interval", "10"]
     full = str(tmp_path / "full.jsonl")
     subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *base,
                     "--metrics-file", full], check=True, capture_output=True, timeout=300,
