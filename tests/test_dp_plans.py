@@ -11,6 +11,7 @@ from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.patches import ddp
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.megatron_buckets import Reduction, megatron_sync_bytes
+from test_host_sync import fake_ddp_chunk, one_process_group  # noqa: F401 (a fixture)
 
 # ---------------------------------------------------------------------- slow hop vs flat
 
@@ -97,32 +98,14 @@ def test_slow_hop_with_one_rank_per_instance_equals_the_flat_strategy(factor_dty
 
 # ---------------------------------------------------------------------- force_all_reduce
 
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def chunk_with_megatron_sync(calls: list):
-    """A DDP chunk of one bucket group whose own (megatron-core) start/finish record the
-    ``force_all_reduce`` they were called with and all-reduce each bucket dense."""
-    module = torch.nn.Module()
-    params = [torch.nn.Parameter(torch.zeros(64, 48)), torch.nn.Parameter(torch.zeros(48))]
-    for i, p in enumerate(params):
-        module.register_parameter(f"p{i}", p)
-    grad_data = torch.zeros(sum(p.numel() for p in params))
-    offset = 0
-    for p in params:
-        p.main_grad = grad_data[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-    bucket = types.SimpleNamespace(grad_data=grad_data, params_list=params,
-                                   gradient_scaling_factor=1.0)
-    group = types.SimpleNamespace(
-        buckets=[bucket], grad_reduce_handle=None, param_gather_dispatched=False,
-        ddp_config=types.SimpleNamespace(overlap_grad_reduce=False, average_in_collective=False,
-                                         use_distributed_optimizer=False),
-        data_parallel_group=dist.group.WORLD)
+    """:func:`test_host_sync.fake_ddp_chunk` with one bucket, no overlap, and megatron-core's
+    own start/finish: they record the ``force_all_reduce`` they were called with and
+    all-reduce the bucket dense."""
+    chunk = fake_ddp_chunk(n_buckets=1)
+    group = chunk.bucket_groups[0]
+    group.ddp_config.overlap_grad_reduce = False
+    bucket = group.buckets[0]
 
     def start(force_all_reduce=False):
         calls.append(("start", force_all_reduce))
@@ -133,8 +116,7 @@ def chunk_with_megatron_sync(calls: list):
         group.start_grad_sync(force_all_reduce=force_all_reduce)   # megatron-core's form
 
     group.start_grad_sync, group.finish_grad_sync = start, finish
-    return types.SimpleNamespace(module=module, bucket_groups=[group],
-                                 expert_parallel_bucket_groups=[])
+    return chunk
 
 
 def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_process_group):
@@ -154,9 +136,10 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
     bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
     group.finish_grad_sync()
     assert calls == []                                   # compressed: megatron's not called
-    (g,) = comp.compressors["chunk0.group0.bucket0"].groups.values()
-    residual, q = g.residual.clone(), g.q.clone()
-    assert residual.abs().sum() > 0
+    plan = comp.plans["chunk0.group0.bucket0"]
+    groups = list(plan.compressor.groups.values())
+    residuals, qs = [g.residual.clone() for g in groups], [g.q.clone() for g in groups]
+    assert all(r.abs().sum() > 0 for r in residuals)
 
     comp.set_iteration(1)
     fresh = torch.randn(bucket.grad_data.shape, generator=gen)
@@ -164,9 +147,13 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
     group.finish_grad_sync(force_all_reduce=True)
     assert calls == [("finish", True), ("start", True)]
     expected = fresh.clone()
-    expected[:64 * 48] += residual.reshape(-1)
+    views = plan.grads(expected)
+    for g, residual in zip(groups, residuals):
+        for j, i in enumerate(g.indices):
+            views[i] += residual[j]
     assert torch.equal(bucket.grad_data, expected)       # G + E, summed dense
-    assert g.residual.abs().sum() == 0 and torch.equal(g.q, q)
+    assert all(g.residual.abs().sum() == 0 for g in groups)
+    assert all(torch.equal(g.q, q) for g, q in zip(groups, qs))
     # megatron-core's own bytes (none over a group of one), counted as dense
     assert comp.stats.bytes_sent == comp.stats.bytes_dense == megatron_sync_bytes(group)[0]
 

@@ -321,8 +321,10 @@ class DPGradientCompression:
         return not self.active or single or bool(force_all_reduce)
 
     def _count_dense(self, group, reduction: Reduction) -> None:
-        """The bytes megatron-core's own sync of ``group`` places into collectives."""
-        total, slow = megatron_sync_bytes(group)
+        """The bytes megatron-core's own sync of ``group`` places into collectives (from
+        its plans' reductions: no process-group query per step)."""
+        pairs = [p.reduction.megatron_bytes(p.bucket) for p in self._group_plans[id(group)]]
+        total, slow = sum(t for t, _ in pairs), sum(s for _, s in pairs)
         self.stats.add_bytes(total - slow, total - slow, reduction.expert)
         self.stats.add_bytes(slow, slow, reduction.expert, slow_hop=True)
 
