@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,12 +152,24 @@ class ShapedNetwork:
             _ip("-n", ns, "link", "set", self.ns_dev[i], "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             if self.rate is not None:
-                tbf = ["root", "tbf", "rate", self.rate, "burst", "128kb", "latency", "1000ms"]
-                subprocess.run(["tc", "qdisc", "add", "dev", self.host_dev[i], *tbf],
-                               capture_output=True, text=True, check=True)
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev",
-                                self.ns_dev[i], *tbf], capture_output=True, text=True,
-                               check=True)
+                self._tbf("add", i, self.rate)
+
+    def _tbf(self, verb: str, i: int, rate: str) -> None:
+        """``tc qdisc <verb>`` the tbf of namespace ``i``'s link, both ends."""
+        tbf = ["root", "tbf", "rate", rate, "burst", "128kb", "latency", "1000ms"]
+        subprocess.run(["tc", "qdisc", verb, "dev", self.host_dev[i], *tbf],
+                       capture_output=True, text=True, check=True)
+        subprocess.run(["ip", "netns", "exec", self.namespaces[i], "tc", "qdisc", verb, "dev",
+                        self.ns_dev[i], *tbf], capture_output=True, text=True, check=True)
+
+    def set_rate(self, rate: str) -> None:
+        """Change every shaped link's rate now (running jobs keep their connections)."""
+        rate_bits(rate)
+        if self.rate is None:
+            raise ValueError("an unshaped network has no rate to change")
+        for i in range(self.n):
+            self._tbf("change", i, rate)
+        self.rate = rate
 
     def close(self) -> None:
         """Remove what this object made (namespaces take their veth ends and qdiscs)."""
@@ -177,10 +190,12 @@ class ShapedNetwork:
     # ------------------------------------------------------------------ running
 
     def run(self, argv: Sequence[str], port: int = 29511, env: Optional[dict] = None,
-            timeout: Optional[float] = None, cwd: Optional[str] = None, stdout=None) -> list:
+            timeout: Optional[float] = None, cwd: Optional[str] = None, stdout=None,
+            rates: Optional["RateSchedule"] = None) -> list:
         """Run ``argv`` once per rank inside its namespace (torchrun environment); returns
         the return codes. If one rank fails, the others are stopped. ``stdout``: a file
-        the ranks' output and errors go to (default: this process's)."""
+        the ranks' output and errors go to (default: this process's); ``rates``: link
+        rate changes at training iterations, read from that file as it grows."""
         procs = []
         for i in range(self.ranks):
             k = i // self.per_ns                      # the rank's namespace
@@ -195,6 +210,8 @@ class ShapedNetwork:
         deadline = None if timeout is None else time.monotonic() + timeout
         codes: list = [None] * len(procs)
         while any(c is None for c in codes):
+            if rates is not None:
+                rates.poll(self)
             for i, p in enumerate(procs):
                 if codes[i] is None:
                     codes[i] = p.poll()
@@ -208,6 +225,43 @@ class ShapedNetwork:
                 break
             time.sleep(0.05)
         return codes
+
+
+class RateSchedule:
+    """Link rates that change at training iterations: ``[(iteration, rate), ...]``. While
+    :meth:`ShapedNetwork.run` waits, :meth:`poll` reads the ranks' output file ``log`` as
+    it grows and, once a line names iteration ``i`` or later (the progress line, an
+    ``iteration i:`` event or the plug-in's ``EDGC iteration i``), sets that rate.
+    :attr:`applied` lists ``(iteration seen, rate, seconds since the first poll)``."""
+
+    _ITERATION = re.compile(r"\biteration\s+(\d+)\b")
+
+    def __init__(self, changes: Sequence[tuple], log: str):
+        self.pending = sorted((int(it), rate) for it, rate in changes)
+        for _, rate in self.pending:
+            rate_bits(rate)
+        self.log = log
+        self.applied: list = []
+        self._offset = 0
+        self._latest = 0
+        self._t0: Optional[float] = None
+
+    def poll(self, net: "ShapedNetwork") -> None:
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+        if not self.pending or not os.path.exists(self.log):
+            return
+        with open(self.log, "rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
+        cut = data.rfind(b"\n") + 1          # whole lines only
+        self._offset += cut
+        for m in self._ITERATION.finditer(data[:cut].decode(errors="replace")):
+            self._latest = max(self._latest, int(m.group(1)))
+        while self.pending and self._latest >= self.pending[0][0]:
+            _, rate = self.pending.pop(0)
+            net.set_rate(rate)
+            self.applied.append((self._latest, rate, time.monotonic() - self._t0))
 
 
 def alpha_beta_allreduce_s(nbytes: float, n_ranks: int, rate: str, alpha_s: float = 2.5e-4,

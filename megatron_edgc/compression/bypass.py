@@ -70,3 +70,21 @@ def compression_pays(link: LinkModel, dense_bytes: float, p_bytes: float, q_byte
                      cost_s: float) -> bool:
     """True when the saved communication time exceeds the compression math's ``cost_s``."""
     return compression_saving_s(link, dense_bytes, p_bytes, q_bytes) > cost_s
+
+
+def link_from_collectives(previous: LinkModel, nbytes: Sequence[float],
+                          busy_s: Sequence[float]) -> LinkModel:
+    """The link a window of the job's own collectives saw (issue 44): ``nbytes`` of each
+    collective and the seconds the link was busy with it. A window's collectives come in
+    a few sizes (a bucket's factors, a dense bucket), too few to fit α and β apart, so α
+    is kept from ``previous`` and the per-byte time is what the rest of the busy time
+    paid for the bytes: ``β = (Σt − nα) / Σb``. Where ``nα`` would explain more than half
+    of the busy time (a window of small messages), α is taken as that half instead: the
+    link is then known to be no faster than ``Σb / (Σt/2)``."""
+    if len(nbytes) != len(busy_s) or not nbytes:
+        raise ValueError("need one busy time per collective, and at least one")
+    total_b, total_t, n = float(sum(nbytes)), float(sum(busy_s)), len(nbytes)
+    if total_b <= 0 or total_t <= 0:
+        return previous
+    alpha = min(previous.alpha_s, 0.5 * total_t / n)
+    return LinkModel(alpha, (total_t - n * alpha) / total_b)

@@ -46,6 +46,11 @@ class EdgcConfig:
     link_gbps: Optional[float] = knob(None, "bypass: declare the DP all-reduce rate in Gbit/s "
                                             "instead of measuring it", min=0.0,
                                       min_exclusive=True, group="method")
+    link_window: int = knob(50, "bypass: every this many iterations, refit each measured "
+                                "link from the job's own collectives of the window (their "
+                                "bytes and device-timed durations; no probes) and re-decide "
+                                "which buckets go dense; 0: measure once at start-up",
+                            min=0, group="method")
     factor_dtype: str = knob("bf16", "dtype of the PowerSGD factors P and Q on the wire: "
                                      "bf16 halves their bytes (all math and the error "
                                      "feedback stay fp32; the dense rest travels in fp32); "

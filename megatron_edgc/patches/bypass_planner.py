@@ -1,7 +1,16 @@
-"""Which buckets the bypass sends dense: the link of each reduction group (measured once, or
-declared), each bucket's compress + decompress time as ``a + b·rank`` (timed once), and the
-decision per rank setting, agreed by every rank that must issue the same collectives
-(:mod:`megatron_edgc.compression.bypass` has the rule)."""
+"""Which buckets the bypass sends dense: the link of each reduction group, each bucket's
+compress + decompress time as ``a + b·rank`` (timed once), and the decision per rank
+setting and link, agreed by every rank that must issue the same collectives
+(:mod:`megatron_edgc.compression.bypass` has the rule).
+
+The link follows the link (issue 44): measured with probes once at start-up (or
+declared, ``--edgc-link-gbps``, and then kept), then every ``window`` iterations refitted
+from the job's own collectives on the group — their bytes and the time the link was busy
+with each, from device stamps read at the flushes (:class:`~megatron_edgc.patches.
+dp_stats.DPSyncStats`), MIN over the group's ranks (the last to arrive waits for nobody):
+no probe traffic in steady state, one small all-reduce per group and window. A bucket's
+decision flips only when the other choice is predicted to win by ``hysteresis`` of the
+larger of saving and cost, so an estimate near the boundary does not flap."""
 
 from __future__ import annotations
 
@@ -12,7 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.compression.bypass import LinkModel, compression_saving_s
+from megatron_edgc.compression.bypass import (LinkModel, compression_saving_s,
+                                              link_from_collectives)
 from megatron_edgc.compression.matrices import FLOAT_BYTES
 
 logger = logging.getLogger(__name__)
@@ -53,16 +63,22 @@ def measure_link(group, device) -> LinkModel:
 
 
 class BypassPlanner:
-    """The bypass's decisions for a set of bucket plans (``plans``: key -> BucketPlan)."""
+    """The bypass's decisions for a set of bucket plans (``plans``: key -> BucketPlan);
+    ``window``: iterations between refits of the measured links (0: never)."""
 
-    def __init__(self, plans: dict, device, link: Optional[LinkModel] = None):
+    def __init__(self, plans: dict, device, link: Optional[LinkModel] = None,
+                 window: int = 0, hysteresis: float = 0.25):
         self.plans = plans
         self.device = device
         self.declared = link
         self.link = link          # the dense buckets' link (declared: every group's)
         self.links: dict = {}     # process group -> LinkModel
+        self.window = window if link is None else 0
+        self.hysteresis = hysteresis
         self.cost_model: Optional[dict] = None   # bucket key -> (a, b) seconds
         self._agreed: dict = {}   # rank setting -> decisions agreed inside the instances
+        self._dense: Optional[frozenset] = None  # the decisions in force
+        self._samples: dict = {}  # link index -> [(bytes, busy seconds)] since the refit
 
     def process_groups(self) -> list:
         """``(process group, expert)`` of each distinct reduction group, in bucket order
@@ -72,6 +88,50 @@ class BypassPlanner:
             r = plan.reduction
             seen.setdefault(id(r.process_group), (r.process_group, r.expert))
         return list(seen.values())
+
+    def timed_links(self) -> dict:
+        """``{id(process group): link index}`` of the groups whose collectives are timed
+        for the refits (none when the link is declared or never refitted)."""
+        if not self.window:
+            return {}
+        return {id(pg): i for i, (pg, _) in enumerate(self.process_groups())}
+
+    def observe(self, link_busy: list) -> None:
+        """One step's ``(link index, bytes, busy seconds)`` of every timed collective
+        (:attr:`DPSyncStats.link_busy`, read at a flush)."""
+        for link, nbytes, busy in link_busy:
+            self._samples.setdefault(link, []).append((nbytes, busy))
+
+    def refresh_due(self, iteration: int) -> bool:
+        """Whether step ``iteration`` starts with a refit (at every window boundary after
+        the links are first measured; the same answer on every rank)."""
+        return bool(self.window) and bool(self.links) and iteration % self.window == 0
+
+    def refresh(self) -> list:
+        """Refit each group's link from the collectives observed since the last refit
+        (MIN of each collective's busy time over the group: a collective on every member);
+        returns ``[(group, old link, new link, collectives)]`` of the refitted groups.
+        A group with nothing observed keeps its link."""
+        changes = []
+        for i, (pg, _) in enumerate(self.process_groups()):
+            samples = self._samples.pop(i, [])
+            if not samples or pg not in self.links:
+                continue
+            busy = torch.tensor([t if t == t else float("inf") for _, t in samples],
+                                dtype=torch.float64, device=self.device)
+            dist.all_reduce(busy, op=dist.ReduceOp.MIN, group=pg)
+            kept = [(b, t) for (b, _), t in zip(samples, busy.tolist()) if t != float("inf")]
+            if not kept:
+                continue
+            old = self.links[pg]
+            self.links[pg] = link_from_collectives(old, [b for b, _ in kept],
+                                                   [t for _, t in kept])
+            changes.append((pg, old, self.links[pg], len(kept)))
+        self._samples = {}
+        self._agreed = {}
+        if changes:
+            self.link = self.links[self.process_groups()[0][0]]
+        return changes
 
     def decide(self, rank: int, rank_setting: tuple, stats) -> frozenset:
         """The keys to send dense at ``rank`` (collectives on first use of a group, a rank
@@ -94,9 +154,13 @@ class BypassPlanner:
             savings[key] = compression_saving_s(self.links[plan.reduction.process_group],
                                                 plan.dense_bytes,
                                                 plan.compressor.wire_bytes(), 0)
-            if savings[key] <= costs[key]:
+            # flip the decision in force only on a clear win (no flapping at the boundary)
+            margin = 0.0 if self._dense is None else \
+                self.hysteresis * max(savings[key], costs[key]) * \
+                (1 if key in self._dense else -1)
+            if savings[key] <= costs[key] + margin:
                 dense.add(key)
-        dense = self._agree_inside_instances(dense, rank_setting)
+        self._dense = dense = self._agree_inside_instances(dense, rank_setting)
         for key in self.plans:
             if key not in dense:
                 stats.predicted_saving_s += savings[key]

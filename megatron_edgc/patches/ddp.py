@@ -84,13 +84,15 @@ class DPGradientCompression:
     when set, is called as each bucket group's sync completes (DAC's timer).
 
     ``bypass="auto"`` sends a bucket dense when compressing it would not pay
-    (:mod:`~megatron_edgc.patches.bypass_planner`).
+    (:mod:`~megatron_edgc.patches.bypass_planner`), its links refitted every
+    ``link_window`` iterations from the collectives the job runs (0: measured once).
     """
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
-                 ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False):
+                 ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False,
+                 link_window: int = 0):
         features.require("ddp")
         # 0.16+: start/finish_grad_sync(force_all_reduce=False); 0.13-0.15: no argument
         self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
@@ -132,7 +134,9 @@ class DPGradientCompression:
         devices = {p.bucket.grad_data.device for p in self.plans.values()}
         self.device = next(iter(devices), None)
         self.stats.clock = IntervalClock(use_cuda=any(d.type == "cuda" for d in devices))
-        self.planner = BypassPlanner(self.plans, self.device, link)
+        self.planner = BypassPlanner(self.plans, self.device, link,
+                                     window=link_window if bypass == "auto" else 0)
+        self._timed_links: dict = {}   # id(process group) -> link index, once measured
         self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
         self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
 
@@ -168,12 +172,34 @@ class DPGradientCompression:
         if self.bypass != "auto":
             self.dense_keys = frozenset()
             return
+        first = not self.planner.links
+        refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
         dense = self.planner.decide(self.rank, self._rank_setting, self.stats)
-        if dense != self.dense_keys:
+        self._timed_links = self.planner.timed_links()
+        self.stats.link_gbps = self.link.gbit_per_s
+        for _, old, new, n in refitted:
+            self.stats.events.append(
+                f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "
+                f"(all-reduce payload, from the last {n} collectives)")
+        if first or dense != self.dense_keys:
+            how = "declared" if self.planner.declared else \
+                "measured at start-up" if first else "refitted"
             self.stats.events.append(
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
-                f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s)")
+                f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
         self.dense_keys = frozenset(dense)
+
+    def link_refresh_due(self, iteration: int) -> bool:
+        """Whether step ``iteration``'s :meth:`prepare_iteration` refits the links: the
+        steps before it must have been read (flushed) by then."""
+        return self.bypass == "auto" and self.rank is not None and \
+            iteration >= self.start_iter and self.planner.refresh_due(iteration)
+
+    def observe_link(self, steps: list) -> None:
+        """The link collectives of read steps (``DPSyncStats`` after ``resolve_all``)."""
+        for step in steps:
+            self.planner.observe(step.link_busy)
+            step.link_busy = []
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -340,7 +366,7 @@ class DPGradientCompression:
         stream = instances_stream(group, reduction)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        pipeline = BucketPipeline(stats)
+        pipeline = BucketPipeline(stats, self._timed_links)
         with stream_context(stream):
             for plan in plans:
                 # megatron-core's own part of the sync: not counted as compression time

@@ -83,10 +83,13 @@ class BucketPipeline:
     """The strategies of one bucket group in flight, between ``start_grad_sync`` and
     ``finish_grad_sync`` (module docstring). ``stats`` gets the bytes of every collective
     (sent; dense bytes are the caller's), the time in the strategies' math
-    (``compress_s``) and in issuing and waiting (``comm_s``), and the non-finite flags."""
+    (``compress_s``) and in issuing and waiting (``comm_s``), and the non-finite flags;
+    each collective on a group of ``timed_links`` (``{id(group): link index}``) is stamped
+    at its issue and its completion (the bypass's link model)."""
 
-    def __init__(self, stats: DPSyncStats):
+    def __init__(self, stats: DPSyncStats, timed_links: Optional[dict] = None):
         self.stats = stats
+        self.timed_links = timed_links or {}
         self._turns: list = []
 
     def start(self, key: str, expert: bool, strategy: Strategy) -> None:
@@ -124,8 +127,14 @@ class BucketPipeline:
                 return None
             stats.add_time("compress_s", t0)
             t0 = stats.clock.stamp()
-            turn.handles = [c.issue() for c in phase.collectives]
+            turn.handles = []
             for c in phase.collectives:
+                link = self.timed_links.get(id(c.group))
+                issued = stats.clock.stamp() if link is not None else None
+                turn.handles.append(c.issue())
+                if link is not None:
+                    stats.add_link_collective(link, c.nbytes, issued,
+                                              stats.clock.completion(turn.handles[-1]))
                 stats.add_bytes(c.nbytes, 0, turn.expert, c.slow_hop)
             stats.add_time("comm_s", t0)
             if not phase.inline:

@@ -37,10 +37,15 @@ class DPSyncStats:
     predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
     predicted_cost_s: float = 0.0    # their measured compress + decompress time
     compressed: bool = False
+    link_gbps: float = float("nan")  # the bypass's link rate in use (all-reduce payload)
     events: list = field(default_factory=list)
+    #: (link index, bytes, seconds the link was busy with it): each collective on a
+    #: bypass-decided group, filled by :meth:`resolve_all` (the link model's input)
+    link_busy: list = field(default_factory=list)
     clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
     _intervals: list = field(default_factory=list)  # (name, start stamp, end stamp)
     _nonfinite: list = field(default_factory=list)  # (bucket key, bool [1] device tensor)
+    _link: list = field(default_factory=list)       # (link index, bytes, issue, completion)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
@@ -50,8 +55,9 @@ class DPSyncStats:
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
-        self.events = []
-        self._intervals, self._nonfinite = [], []
+        self.link_gbps = float("nan")
+        self.events, self.link_busy = [], []
+        self._intervals, self._nonfinite, self._link = [], [], []
 
     def add_bytes(self, sent: int, dense: int, expert: bool, slow_hop: bool = False) -> None:
         """Count ``sent`` bytes placed into collectives where megatron-core would place
@@ -69,6 +75,12 @@ class DPSyncStats:
     def add_time(self, name: str, start) -> None:
         """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
         self._intervals.append((name, start, self.clock.stamp()))
+
+    def add_link_collective(self, link: int, nbytes: int, issued, completed) -> None:
+        """A collective of ``nbytes`` on link ``link`` (the bypass planner's group index),
+        issued at stamp ``issued``, completing at stamp ``completed``
+        (:meth:`~megatron_edgc.patches.timing.IntervalClock.completion`)."""
+        self._link.append((link, nbytes, issued, completed))
 
     def add_nonfinite_flag(self, key: str, flag: torch.Tensor) -> None:
         """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
@@ -89,12 +101,13 @@ class DPSyncStats:
     def resolve_all(steps: list, wait: bool = True) -> None:
         """:meth:`resolve` of several steps' stats: one device wait (``wait=False``: the
         caller has waited), one read of all their non-finite flags."""
-        if wait and any(s._intervals for s in steps):
+        if wait and any(s._intervals or s._link for s in steps):
             steps[0].clock.wait()
         for s in steps:
             for name, start, end in s._intervals:
                 setattr(s, name, getattr(s, name) + s.clock.seconds_between(start, end))
             s._intervals = []
+            s._resolve_link()
         flagged = [(s, key, flag) for s in steps for key, flag in s._nonfinite]
         if flagged:
             values = torch.cat([flag.view(-1) for _, _, flag in flagged]).tolist()
@@ -105,3 +118,22 @@ class DPSyncStats:
                                     f"optimizer, error feedback untouched")
         for s in steps:
             s._nonfinite = []
+
+    def _resolve_link(self) -> None:
+        """Each link collective's busy time: from its issue, or from the completion of the
+        link's collectives before it if later (queued or concurrent collectives share the
+        link: their busy times add up to the time the link had any in flight)."""
+        if not self._link:
+            return
+        origin = self._link[0][2]
+        last_end: dict = {}
+        for link, nbytes, issued, completed in self._link:
+            start = self.clock.seconds_between(origin, issued)
+            end = self.clock.seconds_between(origin, completed)
+            if end != end:   # NaN: its completion callback has not run (CPU)
+                self.link_busy.append((link, nbytes, end))
+                continue
+            busy = end - max(start, last_end.get(link, start))
+            last_end[link] = max(end, last_end.get(link, end))
+            self.link_busy.append((link, nbytes, max(0.0, busy)))
+        self._link = []

@@ -30,6 +30,7 @@ class IntervalClock:
         self._origin_wall = 0.0
         self._anchor = None       # a stamp taken with the device idle, and its wall time
         self._anchor_wall = 0.0
+        self._side = None         # the stream completion stamps wait on (GPU)
 
     def start(self) -> None:
         """Set the origin of :meth:`ms`."""
@@ -43,11 +44,29 @@ class IntervalClock:
             return event
         return time.perf_counter()
 
+    def completion(self, work):
+        """A stamp of when the asynchronous collective ``work`` completes, taken without
+        waiting for it: on a GPU an event recorded on a side stream made to wait for the
+        work (the stream that waits for it later is untouched); on CPU the host clock in
+        the work's completion callback (gloo runs it as the collective ends). Read it as
+        any stamp; a CPU stamp whose callback has not run reads NaN."""
+        if self.use_cuda:
+            if self._side is None:
+                self._side = torch.cuda.Stream()
+            with torch.cuda.stream(self._side):
+                work.wait()
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            return event
+        done = _Completion()
+        work.get_future().add_done_callback(done)
+        return done
+
     def seconds_between(self, start, end) -> float:
         """Seconds from stamp ``start`` to stamp ``end`` (GPU: once both are complete)."""
         if self.use_cuda:
             return start.elapsed_time(end) / 1e3
-        return end - start
+        return float(end) - float(start)
 
     def ms_between(self, start, end) -> float:
         """Milliseconds from stamp ``start`` to stamp ``end`` (GPU: once both are complete)."""
@@ -75,6 +94,21 @@ class IntervalClock:
         if self._anchor is None:
             return self._origin_wall + self.ms(stamp) / 1e3
         return self._anchor_wall + self.seconds_between(self._anchor, stamp)
+
+
+class _Completion:
+    """A CPU stamp set by a future's done-callback (:meth:`IntervalClock.completion`)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self):
+        self.t = float("nan")
+
+    def __call__(self, _future) -> None:
+        self.t = time.perf_counter()
+
+    def __float__(self) -> float:
+        return self.t
 
 
 @dataclass

@@ -78,7 +78,8 @@ class EdgcRuntime:
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype],
-                compress_single_replica=e.compress_single_replica)
+                compress_single_replica=e.compress_single_replica,
+                link_window=e.link_window)
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
                 f"; compressing the slow hop only: each rank's shard across {instances} "
@@ -146,6 +147,8 @@ class EdgcRuntime:
         if self.edgc is not None:
             self.edgc.before_step(iteration)
         if self.dp_compression is not None:
+            if self.link_refits(iteration):
+                self.flush()   # the link collectives of the window, read for the refit
             self.dp_compression.prepare_iteration()  # bypass decisions for this rank
         self.begin_schedule()
         if self.p2p is not None and e.pp_compression == "static":
@@ -185,6 +188,14 @@ class EdgcRuntime:
                 iteration, record if now else None,
                 entropy_sums=step.entropy_job if now else None))
         return record
+
+    def link_refits(self, iteration: int) -> bool:
+        """Whether the bypass may refit its links before step ``iteration`` (a window
+        boundary of ``--edgc-link-window``): the steps before it are flushed first. The
+        same answer on every rank of the job (the flush is a collective)."""
+        e = self.cfg.edgc
+        return e.bypass == "auto" and e.link_gbps is None and e.link_window > 0 and \
+            iteration > 0 and iteration % e.link_window == 0
 
     def controller_reads(self, iteration: int) -> bool:
         """Whether the EDGC driver reads step ``iteration``'s job-wide telemetry on the host
@@ -238,6 +249,8 @@ class EdgcRuntime:
                 self.p2p.check_messages(step.received)   # a disagreeing message: raise here
                 step.pp.resolve()
         DPSyncStats.resolve_all([s.dp for s in steps if s.dp is not None], wait=False)
+        if self.dp_compression is not None:
+            self.dp_compression.observe_link([s.dp for s in steps if s.dp is not None])
         rows = torch.stack([self._row(s) for s in steps]).to(self.device)
         dist.all_reduce(rows)
         for step, row in zip(steps, rows.tolist()):
@@ -309,8 +322,8 @@ class EdgcRuntime:
                        dp_bypassed_buckets=st.bypassed_buckets,
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
                        dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
-            if self.dp_compression.link is not None:
-                rec["dp_link_gbps"] = self.dp_compression.link.gbit_per_s
+            if math.isfinite(st.link_gbps):   # the bypass's link in force at this step
+                rec["dp_link_gbps"] = st.link_gbps
             if st.events and self.dp_rank == 0:
                 for event in st.events:
                     self.log(f"iteration {it}: {event}")

@@ -191,6 +191,8 @@ def format_progress(it: int, total: int, rec: dict) -> str:
             parts.append(expert_split(rec))
         if "dp_slow_hop_bytes_sent_job" in rec:
             parts.append(slow_hop(rec))
+    if "dp_link_gbps" in rec:
+        parts.append(link_line(rec))
     if "pp_bytes_sent_job" in rec:
         saved = 1.0 - rec["pp_bytes_sent_job"] / max(1, rec["pp_bytes_dense_job"])
         rank = rec.get("rank_pp")
@@ -201,3 +203,8 @@ def format_progress(it: int, total: int, rec: dict) -> str:
     if rec.get("skipped"):
         parts.append("skipped")
     return " | ".join(parts)
+
+
+def link_line(rec: dict) -> str:
+    """The bypass's link in force and how many buckets it sends dense."""
+    return f"link {rec['dp_link_gbps']:.3g} Gbit/s, {rec.get('dp_bypassed_buckets', 0)} dense"
