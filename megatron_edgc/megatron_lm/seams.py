@@ -23,7 +23,7 @@ from megatron_edgc.config import ConfigError, validate_edgc
 from megatron_edgc.megatron_lm.checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
 from megatron_edgc.megatron_lm.flags import run_config
 from megatron_edgc.megatron_lm.state import state as _state
-from megatron_edgc.runtime.telemetry import expert_split, slow_hop
+from megatron_edgc.runtime.telemetry import expert_split, link_line, slow_hop
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
 TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
@@ -230,6 +230,8 @@ def _log_line(rec: dict) -> None:
         parts.append(expert_split(rec))
     if "dp_slow_hop_bytes_sent_job" in rec:
         parts.append(slow_hop(rec))
+    if "dp_link_gbps" in rec:
+        parts.append(link_line(rec))
     if "rank_pp" in rec:
         parts.append(f"rank pp {rec['rank_pp']}")
     if "pp_bytes_sent_job" in rec:
