@@ -5,6 +5,7 @@ import torch
 
 from megatron_edgc.compression.bypass import LinkModel, compression_pays, compression_saving_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
+from test_host_sync import one_process_group  # noqa: F401 (a fixture)
 
 
 def test_link_fit_recovers_alpha_beta_and_clamps_noise():
@@ -66,3 +67,162 @@ def test_each_first_phase_collective_pays_its_latency():
     one = compression_saving_s(link, 10_000, 600, 400)
     two = compression_saving_s(link, 10_000, [200, 400], 400)
     assert one - two == pytest.approx(link.alpha_s)
+
+
+# ---------------------------------------------------------------------- the link follows
+
+
+def test_link_from_collectives_fits_sizes_or_keeps_alpha():
+    from megatron_edgc.compression.bypass import link_from_collectives
+
+    start_up = LinkModel(alpha_s=1e-3, s_per_byte=8e-9)            # ~1 Gbit/s
+    slow = LinkModel(alpha_s=3e-3, s_per_byte=8e-8)                # 10x slower, more overhead
+    sizes = [1e5, 3e5, 7e6, 7e6]                                   # sizes spanning >= 2x: fit both
+    got = link_from_collectives(start_up, sizes, [slow.allreduce_s(b) for b in sizes])
+    assert got.alpha_s == pytest.approx(3e-3) and got.s_per_byte == pytest.approx(8e-8)
+    # one size: alpha kept from the start-up link, the rest of the time pays for the bytes
+    got = link_from_collectives(start_up, [7e6] * 3, [slow.allreduce_s(7e6)] * 3)
+    assert got.alpha_s == 1e-3
+    assert got.s_per_byte == pytest.approx((slow.allreduce_s(7e6) - 1e-3) / 7e6)
+    # a window of small messages: alpha may explain at most half of the busy time
+    got = link_from_collectives(start_up, [100.0] * 4, [1e-4] * 4)
+    assert got.alpha_s == pytest.approx(5e-5)
+    assert got.s_per_byte == pytest.approx((4e-4 - 4 * 5e-5) / 400)
+    assert link_from_collectives(start_up, [0.0], [0.0]) is start_up   # nothing to learn
+    with pytest.raises(ValueError):
+        link_from_collectives(start_up, [1.0, 2.0], [1.0])
+
+
+def test_busy_times_add_up_to_the_time_the_link_had_work_in_flight():
+    """Queued or concurrent transfers on one link share it: each is busy from its issue
+    or from the end of those before it, whichever is later; another link's do not count;
+    the collectives of one phase are one transfer (by issue order, never by timing, so
+    every member of a group has the same list); a completion not yet stamped (CPU
+    callback) reads NaN and leaves the others alone."""
+    from megatron_edgc.patches.dp_stats import DPSyncStats
+
+    st = DPSyncStats()
+    st.add_link_collective(0, 100, 10.0, 11.0, phase=1)
+    st.add_link_collective(0, 200, 10.5, 11.5, phase=2)   # issued while the first was in flight
+    st.add_link_collective(1, 50, 10.2, 10.4, phase=3)    # another group's link
+    st.add_link_collective(0, 300, 12.0, 12.25, phase=4)  # the link was idle in between
+    st.add_link_collective(0, 30, 12.0, 12.5, phase=4)    # ... with a phase-mate
+    st.add_link_collective(0, 400, 12.6, float("nan"), phase=5)
+    st.add_link_collective(0, 500, 13.0, 13.25, phase=6)
+    DPSyncStats.resolve_all([st])
+    busy = st.link_busy
+    assert [(link, b) for link, b, _ in busy] == [(0, 100), (0, 200), (1, 50), (0, 330),
+                                                 (0, 400), (0, 500)]
+    times = [t for _, _, t in busy]
+    assert times[:4] == pytest.approx([1.0, 0.5, 0.2, 0.5])
+    assert times[4] != times[4] and times[5] == pytest.approx(0.25)
+
+
+def _planner_with(one_process_group, link: LinkModel, cost_s: float, window: int = 5):
+    """The patched DP sync of a one-bucket group with the bypass on, its start-up link and
+    cost model set (as measured), at rank 4."""
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from test_host_sync import fake_ddp_chunk
+
+    comp = DPGradientCompression([fake_ddp_chunk(n_buckets=1)], one_process_group, rank=4,
+                                 compress_single_replica=True, min_compression_rate=2.0,
+                                 start_iter=0, seed=0, bypass="auto", link_window=window)
+    comp.planner.links = {one_process_group: link}
+    comp.planner.cost_model = {key: (cost_s, 0.0) for key in comp.plans}
+    return comp, next(iter(comp.plans.values()))
+
+
+def _link_with_saving(plan, alpha: float, saving_s: float) -> LinkModel:
+    """The link on which compressing ``plan``'s bucket saves ``saving_s`` seconds (the
+    saving is linear in the per-byte time)."""
+    def saving(per_byte):
+        return compression_saving_s(LinkModel(alpha, per_byte), plan.dense_bytes,
+                                    plan.compressor.wire_bytes(), 0)
+
+    return LinkModel(alpha, (saving_s - saving(0.0)) / (saving(1.0) - saving(0.0)))
+
+
+def _observe(comp, plan, link: LinkModel, steps: int = 5) -> None:
+    """``steps`` steps' dense collectives of the bucket, as timed on ``link``."""
+    for _ in range(steps):
+        comp.planner.observe([(0, plan.dense_bytes, link.allreduce_s(plan.dense_bytes))])
+
+
+def test_the_bypass_follows_a_refitted_link_with_hysteresis(one_process_group):
+    """Decisions from the refitted link at each window boundary, not before; a decision
+    in force flips only when the other side wins by 25 % of the larger of saving and
+    cost; the rate in force is in the step's telemetry and an event names the change."""
+    cost = 0.01
+    comp, plan = _planner_with(one_process_group, LinkModel(1e-4, 1e-12), cost)
+    on = lambda s: _link_with_saving(plan, 1e-4, s)                         # noqa: E731
+
+    def step(it):
+        comp.set_iteration(it)
+        comp.prepare_iteration()
+        return comp.dense_keys, comp.stats
+
+    dense, st = step(0)
+    assert dense == {plan.key}                           # a fast link: compressing costs more
+    assert st.link_gbps == pytest.approx(LinkModel(1e-4, 1e-12).gbit_per_s)
+    _observe(comp, plan, on(10 * cost))                  # the link became slow
+    for it in range(1, 5):
+        assert step(it)[0] == {plan.key}                 # not before the window boundary
+    dense, st = step(5)
+    assert dense == frozenset()
+    assert comp.link.s_per_byte == pytest.approx(on(10 * cost).s_per_byte, rel=1e-9)
+    assert st.link_gbps == pytest.approx(comp.link.gbit_per_s)
+    assert any("buckets sent dense" in e and "refitted" in e for e in st.events)
+    # compressed now: a link 20 % short of paying keeps it compressed (hysteresis) ...
+    _observe(comp, plan, on(0.8 * cost))
+    assert step(10)[0] == frozenset()
+    # ... one 30 % short sends it dense; back to 20 % over keeps it dense
+    _observe(comp, plan, on(0.7 * cost))
+    assert step(15)[0] == {plan.key}
+    _observe(comp, plan, on(1.2 * cost))
+    assert step(20)[0] == {plan.key}
+    _observe(comp, plan, on(1.5 * cost))
+    assert step(25)[0] == frozenset()
+    # no observation in a window: the link is kept
+    before = comp.link
+    assert step(30)[0] == frozenset() and comp.link is before
+
+
+def test_compressed_transfers_running_faster_make_the_bypass_probe(one_process_group,
+                                                                    monkeypatch):
+    """Compressed, the bucket's small transfers cannot say how fast a dense one would go;
+    when they run 1.5x faster than in the window before (same buckets compressed), the
+    link is probed as at start-up and the decision taken from the probe."""
+    from megatron_edgc.patches import bypass_planner
+
+    cost = 0.01
+    comp, plan = _planner_with(one_process_group, LinkModel(1e-4, 1e-12), cost)
+    slow = _link_with_saving(plan, 1e-4, 10 * cost)
+    probes = []
+    monkeypatch.setattr(bypass_planner, "measure_link",
+                        lambda pg, device: probes.append(pg) or LinkModel(1e-4, 1e-12))
+    comp.set_iteration(0)
+    comp.prepare_iteration()
+    _observe(comp, plan, slow)
+    comp.set_iteration(5)
+    comp.prepare_iteration()
+    assert comp.dense_keys == frozenset() and probes == []
+    wire = sum(plan.compressor.wire_bytes())
+
+    def compressed_window(link):
+        for _ in range(5):
+            comp.planner.observe([(0, wire, link.allreduce_s(wire))])
+
+    compressed_window(slow)                          # the first compressed window: a reference
+    comp.set_iteration(10)
+    comp.prepare_iteration()
+    assert comp.dense_keys == frozenset() and probes == []
+    compressed_window(LinkModel(slow.alpha_s, slow.s_per_byte / 1.3))   # noise: no probe
+    comp.set_iteration(15)
+    comp.prepare_iteration()
+    assert comp.dense_keys == frozenset() and probes == []
+    compressed_window(LinkModel(slow.alpha_s, slow.s_per_byte / 4))    # faster: probe
+    comp.set_iteration(20)
+    comp.prepare_iteration()
+    assert probes == [one_process_group]
+    assert comp.dense_keys == {plan.key} and comp.link == LinkModel(1e-4, 1e-12)
+    assert any("probed" in e for e in comp.stats.events)

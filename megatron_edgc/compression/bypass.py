@@ -74,17 +74,24 @@ def compression_pays(link: LinkModel, dense_bytes: float, p_bytes: float, q_byte
 
 def link_from_collectives(previous: LinkModel, nbytes: Sequence[float],
                           busy_s: Sequence[float]) -> LinkModel:
-    """The link a window of the job's own collectives saw (issue 44): ``nbytes`` of each
-    collective and the seconds the link was busy with it. A window's collectives come in
-    a few sizes (a bucket's factors, a dense bucket), too few to fit α and β apart, so α
-    is kept from ``previous`` and the per-byte time is what the rest of the busy time
-    paid for the bytes: ``β = (Σt − nα) / Σb``. Where ``nα`` would explain more than half
-    of the busy time (a window of small messages), α is taken as that half instead: the
-    link is then known to be no faster than ``Σb / (Σt/2)``."""
+    """The link a window of the job's own transfers saw (issue 44): ``nbytes`` of each and
+    the seconds the link was busy with it.
+
+    Where the sizes span at least 2x (a compressed bucket's factors and its ``Q``, dense
+    buckets beside compressed ones), α and β are fitted to them by least squares: the
+    job's own per-collective overhead is then α, not the start-up probes'. Otherwise (one
+    size, or a fit tilted to β = 0 by noise) α is kept from ``previous`` and the per-byte
+    time is what the rest of the busy time paid for the bytes, ``β = (Σt − nα) / Σb``;
+    where ``nα`` would explain more than half of the busy time (a window of small
+    messages), α is taken as that half instead."""
     if len(nbytes) != len(busy_s) or not nbytes:
-        raise ValueError("need one busy time per collective, and at least one")
+        raise ValueError("need one busy time per transfer, and at least one")
     total_b, total_t, n = float(sum(nbytes)), float(sum(busy_s)), len(nbytes)
     if total_b <= 0 or total_t <= 0:
         return previous
+    if min(nbytes) > 0 and max(nbytes) >= 2 * min(nbytes):
+        fitted = LinkModel.fit(nbytes, busy_s)
+        if fitted.s_per_byte > 0:
+            return fitted
     alpha = min(previous.alpha_s, 0.5 * total_t / n)
     return LinkModel(alpha, (total_t - n * alpha) / total_b)

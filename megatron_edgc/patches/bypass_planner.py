@@ -79,6 +79,10 @@ class BypassPlanner:
         self._agreed: dict = {}   # rank setting -> decisions agreed inside the instances
         self._dense: Optional[frozenset] = None  # the decisions in force
         self._samples: dict = {}  # link index -> [(bytes, busy seconds)] since the refit
+        #: process group -> (compressed buckets, the rate their transfers showed) of the
+        #: last window, when some of its buckets went compressed
+        self._compressed_seen: dict = {}
+        self.probe_ratio = 1.5
 
     def process_groups(self) -> list:
         """``(process group, expert)`` of each distinct reduction group, in bucket order
@@ -110,8 +114,12 @@ class BypassPlanner:
     def refresh(self) -> list:
         """Refit each group's link from the collectives observed since the last refit
         (MIN of each collective's busy time over the group: a collective on every member);
-        returns ``[(group, old link, new link, collectives)]`` of the refitted groups.
-        A group with nothing observed keeps its link."""
+        returns ``[(group, old link, new link, how)]`` of the refitted groups. A group
+        with nothing observed keeps its link. Where the group's compressed transfers ran
+        ``probe_ratio`` times faster than in the window before (same buckets compressed),
+        the link is probed as at start-up: small transfers read a fast link slow (their
+        per-collective overhead, and on a CPU the compute beside them), so only a probe
+        of bulk size says whether dense buckets would now pay."""
         changes = []
         for i, (pg, _) in enumerate(self.process_groups()):
             samples = self._samples.pop(i, [])
@@ -124,9 +132,22 @@ class BypassPlanner:
             if not kept:
                 continue
             old = self.links[pg]
-            self.links[pg] = link_from_collectives(old, [b for b, _ in kept],
-                                                   [t for _, t in kept])
-            changes.append((pg, old, self.links[pg], len(kept)))
+            seen = link_from_collectives(old, [b for b, _ in kept], [t for _, t in kept])
+            mix = frozenset(k for k, p in self.plans.items()
+                            if p.reduction.process_group is pg and k not in (self._dense or ()))
+            before = self._compressed_seen.get(pg)
+            self._compressed_seen[pg] = (mix, seen.gbit_per_s) if mix else None
+            how = f"from the last {len(kept)} transfers"
+            if mix and before is not None and before[0] == mix and \
+                    seen.gbit_per_s >= self.probe_ratio * before[1]:
+                # compressed transfers are small: they show that the link got faster, not
+                # how fast it is for a dense bucket; probe it as at start-up (same answer
+                # on every member: ``seen`` comes from MIN-reduced times)
+                how = (f"probed: the compressed transfers ran "
+                       f"{seen.gbit_per_s / before[1]:.2g}x faster")
+                seen = measure_link(pg, self.device)
+            self.links[pg] = seen
+            changes.append((pg, old, seen, how))
         self._samples = {}
         self._agreed = {}
         if changes:

@@ -177,10 +177,10 @@ class DPGradientCompression:
         dense = self.planner.decide(self.rank, self._rank_setting, self.stats)
         self._timed_links = self.planner.timed_links()
         self.stats.link_gbps = self.link.gbit_per_s
-        for _, old, new, n in refitted:
+        for _, old, new, how in refitted:
             self.stats.events.append(
                 f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "
-                f"(all-reduce payload, from the last {n} collectives)")
+                f"(all-reduce payload, {how})")
         if first or dense != self.dense_keys:
             how = "declared" if self.planner.declared else \
                 "measured at start-up" if first else "refitted"

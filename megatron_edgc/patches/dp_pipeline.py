@@ -91,6 +91,7 @@ class BucketPipeline:
         self.stats = stats
         self.timed_links = timed_links or {}
         self._turns: list = []
+        self._phases = 0   # phases issued (a phase's collectives are one transfer)
 
     def start(self, key: str, expert: bool, strategy: Strategy) -> None:
         turn = self._advance(_Turn(key, expert, strategy, []))
@@ -128,13 +129,15 @@ class BucketPipeline:
             stats.add_time("compress_s", t0)
             t0 = stats.clock.stamp()
             turn.handles = []
+            self._phases += 1
             for c in phase.collectives:
                 link = self.timed_links.get(id(c.group))
                 issued = stats.clock.stamp() if link is not None else None
                 turn.handles.append(c.issue())
                 if link is not None:
                     stats.add_link_collective(link, c.nbytes, issued,
-                                              stats.clock.completion(turn.handles[-1]))
+                                              stats.clock.completion(turn.handles[-1]),
+                                              self._phases)
                 stats.add_bytes(c.nbytes, 0, turn.expert, c.slow_hop)
             stats.add_time("comm_s", t0)
             if not phase.inline:

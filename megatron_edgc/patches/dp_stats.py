@@ -76,11 +76,13 @@ class DPSyncStats:
         """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
         self._intervals.append((name, start, self.clock.stamp()))
 
-    def add_link_collective(self, link: int, nbytes: int, issued, completed) -> None:
+    def add_link_collective(self, link: int, nbytes: int, issued, completed,
+                            phase: int = -1) -> None:
         """A collective of ``nbytes`` on link ``link`` (the bypass planner's group index),
         issued at stamp ``issued``, completing at stamp ``completed``
-        (:meth:`~megatron_edgc.patches.timing.IntervalClock.completion`)."""
-        self._link.append((link, nbytes, issued, completed))
+        (:meth:`~megatron_edgc.patches.timing.IntervalClock.completion`); the collectives
+        of one ``phase`` (issued together) are one transfer."""
+        self._link.append((link, nbytes, issued, completed, phase))
 
     def add_nonfinite_flag(self, key: str, flag: torch.Tensor) -> None:
         """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
@@ -120,20 +122,30 @@ class DPSyncStats:
             s._nonfinite = []
 
     def _resolve_link(self) -> None:
-        """Each link collective's busy time: from its issue, or from the completion of the
-        link's collectives before it if later (queued or concurrent collectives share the
-        link: their busy times add up to the time the link had any in flight)."""
+        """Each transfer on a link — a collective, or the collectives of one phase (issued
+        together, they share the link and pay their latency together) — with its bytes
+        and the time from its issue, or from the end of the link's transfers before it if
+        later (queued or concurrent ones share the link: the busy times add up to the time
+        the link had any in flight), to its last completion. The transfers follow from the
+        issue order alone, so every member of a group has the same list."""
         if not self._link:
             return
         origin = self._link[0][2]
-        last_end: dict = {}
-        for link, nbytes, issued, completed in self._link:
+        ends: dict = {}      # link -> the latest completion of its transfers so far
+        current = None       # (index in link_busy, link, phase, start) of the open transfer
+        for link, nbytes, issued, completed, phase in self._link:
             start = self.clock.seconds_between(origin, issued)
             end = self.clock.seconds_between(origin, completed)
-            if end != end:   # NaN: its completion callback has not run (CPU)
-                self.link_busy.append((link, nbytes, end))
-                continue
-            busy = end - max(start, last_end.get(link, start))
-            last_end[link] = max(end, last_end.get(link, end))
-            self.link_busy.append((link, nbytes, max(0.0, busy)))
+            if current is not None and current[1:3] == (link, phase) and phase >= 0:
+                i, _, _, first = current
+                _, b, t = self.link_busy[i]
+                self.link_busy[i] = (link, b + nbytes, max(t, end - first))
+            else:
+                first = max(start, ends.get(link, start))
+                self.link_busy.append((link, nbytes, end - first))
+                current = (len(self.link_busy) - 1, link, phase, first)
+            if end == end:   # NaN: its completion callback has not run (CPU): the busy
+                ends[link] = max(end, ends.get(link, end))   # time reads NaN
+        self.link_busy = [(link, b, t if t != t else max(0.0, t))
+                          for link, b, t in self.link_busy]
         self._link = []
