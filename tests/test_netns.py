@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from bench.netns import (_SELFTEST, NetnsUnavailable, ShapedNetwork,  # noqa: E402
                          alpha_beta_allreduce_s, rate_bits)
@@ -106,3 +107,61 @@ def test_two_level_cluster_shapes_only_the_links_between_instances(tmp_path, pha
         assert crossed < 0.05 * payload, crossed   # rendezvous and barriers only
     else:
         assert payload < crossed < 1.1 * payload, crossed
+
+
+#: 1-based iterations after which the links change: fast -> 100 Mbit -> fast.
+SLOW_AT, FAST_AT, WINDOW, ITERS = 8, 18, 4, 28
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.parametrize("per_namespace", [1, 2], ids=["flat", "two-level"])
+def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_namespace):
+    """4 ranks on shaped links whose rate changes under the running job (2 Gbit/s ->
+    100 Mbit/s -> 2 Gbit/s): flat (every rank's link shaped) and two-level (2 instances of
+    2 ranks, the slow hop shaped). Dense on the fast link (compressing costs more than it
+    saves), compressed on the slow one; each change is followed at the first window
+    boundary after a whole window at the new rate — within one window of evidence, and
+    never before a change — and nothing hangs."""
+    import json
+
+    from bench.netns import RateSchedule
+
+    layout = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"]
+    if per_namespace > 1:
+        layout += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "ranks.log"
+    argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+            "--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"), *layout,
+            "--data-path", corpus_data["prefix"], "--vocab-file", corpus_data["vocab_file"],
+            "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2",
+            "--train-iters", str(ITERS), "--lr-warmup-iters", "2", "--eval-interval", "1000",
+            "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
+            "--edgc-mode", "static", "--edgc-rank", "32", "--edgc-bypass", "auto",
+            "--edgc-link-window", str(WINDOW)]
+    rates = RateSchedule([(SLOW_AT, "100mbit"), (FAST_AT, "2gbit")], str(log))
+    with ShapedNetwork(4, "2gbit", ranks_per_namespace=per_namespace) as net:
+        with open(log, "w") as out:
+            codes = net.run(argv, env={"OMP_NUM_THREADS": "1"}, timeout=240, stdout=out,
+                            rates=rates, cwd=ROOT)
+    text = log.read_text()
+    assert codes == [0, 0, 0, 0], text[-3000:]
+    assert [rate for _, rate, _ in rates.applied] == ["100mbit", "2gbit"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    dense = {r["iteration"]: r["dp_bypassed_buckets"] > 0 for r in records}
+    changed = [seen for seen, _, _ in rates.applied]   # the change lands after these
+
+    def follows(after: int) -> int:
+        """The first window boundary whose window ran entirely after ``after``."""
+        return -(-after // WINDOW) * WINDOW + WINDOW + 1
+
+    slow_from, fast_from = follows(changed[0]), follows(changed[1])
+    assert all(dense[i] for i in range(1, changed[0] + 1)), dense       # fast: dense
+    assert not any(dense[i] for i in range(slow_from, changed[1] + 1)), dense
+    assert all(dense[i] for i in range(fast_from, ITERS + 1)), dense
+    flips = [i for i in range(2, ITERS + 1) if dense[i] != dense[i - 1]]
+    assert len(flips) == 2, dense                                       # no flapping
+    assert all((i - 1) % WINDOW == 0 for i in flips)                    # at boundaries only
+    # the rate in force, in every record: fast, then slow from the first flip on
+    assert records[slow_from - 1]["dp_link_gbps"] < 0.2 < records[0]["dp_link_gbps"]
+    assert "Gbit/s" in text and "sent dense" in text
