@@ -2,6 +2,7 @@
 namespaces it builds carry traffic and are all gone afterwards, also after an error."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -164,4 +165,6 @@ def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_names
     assert all((i - 1) % WINDOW == 0 for i in flips)                    # at boundaries only
     # the rate in force, in every record: fast, then slow from the first flip on
     assert records[slow_from - 1]["dp_link_gbps"] < 0.2 < records[0]["dp_link_gbps"]
-    assert "Gbit/s" in text and "sent dense" in text
+    # the start-up line and the progress line say the rate in use
+    assert "buckets sent dense (link " in text and "measured at start-up)" in text
+    assert re.search(r"\| link [0-9.]+ Gbit/s, 0 dense", text), text[-2000:]
