@@ -115,3 +115,35 @@ def test_resume_with_another_dp_size_resets_per_replica_state(small_model_argv, 
                           "--data-parallel-size", "4", "--load", str(tmp_path / "ck")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "error: --load:" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_only_the_dp_size_may_change_and_the_instances_are_part_of_the_layout():
+    """The layout check of ``--load``, before anything is read into the model: the number
+    of distributed-optimizer instances sets each rank's optimizer shard and compressor
+    state, so a change of it is refused by name (it used to reach torch's optimizer and
+    fail there with a traceback: "loaded state dict contains a parameter group that doesn't
+    match the size of optimizer's group")."""
+    from megatron_edgc.training.checkpoint import CheckpointError, dp_size_changed
+
+    ours = {"tp": 1, "pp": 1, "dp": 4, "vp": None, "distributed_optimizer": True, "ep": 1,
+            "instances": 1}
+    assert dp_size_changed(dict(ours), ours) is False
+    # saved before EP and the instances were recorded: 1 of each
+    assert dp_size_changed({k: v for k, v in ours.items() if k not in ("ep", "instances")},
+                           ours) is False
+    with pytest.raises(CheckpointError) as err:
+        dp_size_changed({**ours, "instances": 2}, ours)
+    assert str(err.value) == ("--load: the checkpoint was saved with "
+                              "--num-distributed-optimizer-instances 2, this run has 1 (only "
+                              "the DP size may change on resume)")
+    with pytest.raises(CheckpointError) as err:
+        dp_size_changed({**ours, "pp": 2, "dp": 2}, ours)
+    assert str(err.value) == ("--load: the checkpoint was saved with "
+                              "--pipeline-model-parallel-size 2, this run has 1 (only the DP "
+                              "size may change on resume)")
+    with pytest.raises(CheckpointError) as err:
+        dp_size_changed({**ours, "dp": 2}, ours)
+    assert str(err.value) == ("--load: saved with DP 2, resuming with DP 4: "
+                              "distributed-optimizer shards cannot be remapped")
+    replicated = {**ours, "distributed_optimizer": False}
+    assert dp_size_changed({**replicated, "dp": 2}, replicated) is True

@@ -122,7 +122,43 @@ def layout_of(cfg) -> dict:
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
             "dp": p.data_parallel_size, "vp": p.virtual_pipeline_model_parallel_size,
             "distributed_optimizer": p.use_distributed_optimizer,
-            "ep": p.expert_model_parallel_size}
+            "ep": p.expert_model_parallel_size,
+            "instances": p.num_distributed_optimizer_instances}
+
+
+#: What a checkpoint saved before an entry was part of the layout held.
+_LAYOUT_DEFAULTS = {"ep": 1, "instances": 1}
+#: The flag that sets each entry of the layout, for the error of a changed one.
+_LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                 "vp": "--virtual-pipeline-model-parallel-size",
+                 "distributed_optimizer": "--use-distributed-optimizer",
+                 "ep": "--expert-model-parallel-size",
+                 "instances": "--num-distributed-optimizer-instances"}
+
+
+def dp_size_changed(saved: Optional[dict], ours: dict) -> bool:
+    """Whether a checkpoint saved on layout ``saved`` (:func:`layout_of`) resumes on
+    ``ours`` with another DP size (True) or the same layout (False); any other change raises
+    :class:`CheckpointError`. (The number of distributed-optimizer instances sets the size
+    of each rank's optimizer shard and compressor state: it may not change either.)"""
+    if saved is not None:
+        saved = {**_LAYOUT_DEFAULTS, **saved}
+    if saved == ours:
+        return False
+    if saved is None:
+        raise CheckpointError(f"--load: the checkpoint records no layout, this run's is {ours}"
+                              f" (only the DP size may change on resume)")
+    changed = [k for k in [*ours, *(k for k in saved if k not in ours)]
+               if k != "dp" and saved.get(k) != ours.get(k)]
+    if changed:
+        raise CheckpointError("--load: the checkpoint was saved with " + ", ".join(
+            f"{_LAYOUT_FLAGS.get(k, k)} {saved.get(k)}" for k in changed) + ", this run has "
+            + ", ".join(str(ours.get(k)) for k in changed)
+            + " (only the DP size may change on resume)")
+    if ours["distributed_optimizer"]:
+        raise CheckpointError(f"--load: saved with DP {saved['dp']}, resuming with DP "
+                              f"{ours['dp']}: distributed-optimizer shards cannot be remapped")
+    return True
 
 
 def _first_failed_rank(failed: bool) -> int:
@@ -241,17 +277,7 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
     except Exception as exc:
         raise CheckpointError(f"--load: {model_file} cannot be read: {exc}") from exc
     saved, ours = state.get("layout"), layout_of(cfg)
-    if saved is not None:
-        saved = {"ep": 1, **saved}   # saved before EP was part of the layout
-    dp_changed = saved is not None and saved != ours and \
-        {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in ours.items()
-                                                         if k != "dp"}
-    if saved != ours and not dp_changed:
-        raise CheckpointError(f"--load: checkpoint layout {saved} differs from this run's {ours}"
-                              f" (only the DP size may change on resume)")
-    if dp_changed and cfg.parallel.use_distributed_optimizer:
-        raise CheckpointError(f"--load: saved with DP {saved['dp']}, resuming with DP "
-                              f"{ours['dp']}: distributed-optimizer shards cannot be remapped")
+    dp_changed = dp_size_changed(saved, ours)
     if dp_changed:
         rank_file = os.path.join(path, rank_file_name(_global_rank(
             parallel_state.get_tensor_model_parallel_rank(),
