@@ -95,6 +95,7 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-entropy", "kde"], "--edgc-entropy", "must be one of gaussian, histogram", None),
     (["--edgc-bypass", "sometimes"], "--edgc-bypass", "must be one of auto, off", None),
     (["--edgc-link-gbps", "0"], "--edgc-link-gbps", "(0.0, inf]", None),
+    (["--edgc-link-window", "-1"], "--edgc-link-window", "[0, inf]", None),
     (["--last-word-examples", "-1"], "--last-word-examples", "[0, inf]", None),
     (["--num-experts", "1"], "--num-experts", "[2, inf]", None),
     (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
@@ -273,7 +274,7 @@ def test_edgc_flags_grouped_in_both_parsers():
     assert trainer["EDGC method"][:2] == ["--edgc-mode", "--edgc-rank"]
     assert plug_in == {**trainer, "EDGC diagnostics": trainer["EDGC diagnostics"]
                        + ["--edgc-metrics-file", "--edgc-allow-untested-megatron"]}
-    assert sum(map(len, trainer.values())) == len(keys) == 35
+    assert sum(map(len, trainer.values())) == len(keys) == 36
     help_text = build_arg_parser().format_help()
     assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
         help_text.index("EDGC diagnostics:")
