@@ -226,3 +226,20 @@ def test_compressed_transfers_running_faster_make_the_bypass_probe(one_process_g
     assert probes == [one_process_group]
     assert comp.dense_keys == {plan.key} and comp.link == LinkModel(1e-4, 1e-12)
     assert any("probed" in e for e in comp.stats.events)
+
+
+def test_link_timing_only_where_completion_needs_no_wait(one_process_group):
+    """CPU tensors on gloo: each collective on the bypass's group is stamped (its
+    completion callback). gloo on CUDA tensors completes only on a host wait: nothing is
+    stamped there and the start-up link is kept."""
+    from megatron_edgc.patches.timing import IntervalClock
+
+    comp, plan = _planner_with(one_process_group, LinkModel(1e-4, 1e-12), 1.0)
+    comp.set_iteration(0)
+    comp.prepare_iteration()
+    assert comp._timed_links == {id(one_process_group): 0}
+    comp.stats.clock = IntervalClock(use_cuda=True)   # as gloo on a GPU's tensors
+    comp._timed_links = {}
+    comp.set_iteration(1)
+    comp.prepare_iteration()
+    assert comp._timed_links == {}

@@ -36,6 +36,7 @@ import types
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.patches import features
@@ -175,7 +176,8 @@ class DPGradientCompression:
         first = not self.planner.links
         refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
         dense = self.planner.decide(self.rank, self._rank_setting, self.stats)
-        self._timed_links = self.planner.timed_links()
+        if self._can_time_links():
+            self._timed_links = self.planner.timed_links()
         self.stats.link_gbps = self.link.gbit_per_s
         for _, old, new, how in refitted:
             self.stats.events.append(
@@ -188,6 +190,14 @@ class DPGradientCompression:
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
         self.dense_keys = frozenset(dense)
+
+    def _can_time_links(self) -> bool:
+        """Whether the collectives can be stamped at completion without waiting: CPU
+        tensors (gloo's completion callback) or NCCL (an event on a side stream). gloo on
+        CUDA tensors completes only on a host wait: there the start-up link is kept."""
+        if not self.stats.clock.use_cuda:
+            return True
+        return all(dist.get_backend(pg) == "nccl" for pg, _ in self.planner.process_groups())
 
     def link_refresh_due(self, iteration: int) -> bool:
         """Whether step ``iteration``'s :meth:`prepare_iteration` refits the links: the
