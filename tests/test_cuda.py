@@ -8,6 +8,7 @@ full rank equal to the dense all-reduce; plus agreement with the same step on th
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -171,6 +172,36 @@ def test_interval_clock_times_device_work():
         torch.cuda.synchronize()
     assert 0.0 <= clock.ms(a) < clock.ms(b)
     assert clock.ms(b) - clock.ms(a) > 0.01  # 20 1024^3 products: > 10 µs anywhere
+
+
+def test_collective_completion_stamp_without_waiting():
+    """The bypass's link timing: a collective's completion stamped without the caller's
+    stream waiting for it (NCCL: an event on a side stream made to wait for the work;
+    gloo on CPU: its completion callback); the stamp lies after the issue stamp and the
+    collective's result is right. One process: NCCL on a GPU, gloo on CPU."""
+    import torch.distributed as dist
+
+    on_gpu = torch.device(DEVICE).type == "cuda"
+    dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, **({"device_id": torch.device(DEVICE)}
+                                             if on_gpu else {}))
+    try:
+        clock = IntervalClock(use_cuda=on_gpu)
+        x = torch.ones(1 << 22, device=DEVICE)
+        issued = clock.stamp()
+        work = dist.all_reduce(x, async_op=True)
+        done = clock.completion(work)
+        work.wait()
+        clock.wait()
+        for _ in range(100):   # CPU: the callback may run just after wait() returns
+            seconds = clock.seconds_between(issued, done)
+            if seconds == seconds:
+                break
+            time.sleep(0.01)
+        assert 0.0 <= seconds < 10.0, seconds
+        assert torch.equal(x, torch.ones_like(x))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_orthonormalize_bound_and_strided_step_on_device():
