@@ -81,6 +81,11 @@ def _setup_model_and_optimizer(original):
         model, optimizer, scheduler = original(*args, **kwargs)
         if _state.compression_on():
             _build_runtime(model, optimizer, scheduler)
+            from megatron_edgc.runtime import lost_ranks
+
+            # torchrun: an exception that ends this rank (a collective fails in train_step,
+            # Megatron-LM's logging or a save) names a rank lost without an error of its own
+            lost_ranks.watch(uncaught=True)
         return model, optimizer, scheduler
     return setup_model_and_optimizer
 

@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
+from megatron_edgc.runtime import lost_ranks
 from megatron_edgc.runtime.frontend import (IterationRecords, compute_device,
                                             is_logging_rank, log_rank0, lr_at, print_notes)
 from megatron_edgc.runtime.step import EdgcRuntime
@@ -430,6 +431,7 @@ def shutdown_worker() -> None:
 def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
     """Entry of one training process (spawned locally, or started by torchrun/srun)."""
     init_worker(cfg, rank, world_size, local_rank)
+    lost_ranks.watch()   # torchrun: a rank lost without an error of its own is named
     try:
         Trainer(cfg).run()
         return 0
@@ -438,5 +440,8 @@ def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
         if not getattr(exc, "secondary", False):  # the failing rank says it, once
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except BaseException as exc:
+        lost_ranks.report(exc)   # first failing rank: names the lost ranks (torchrun)
+        raise
     finally:
         shutdown_worker()
