@@ -645,3 +645,22 @@ def test_grad_reduce_in_bf16_job(megatron_lm, tmp_path):
     out, _ = _check_model_job(megatron_lm, tmp_path, ["--grad-reduce-in-bf16"], EDGC_DP, want,
                               compare_off=False)
     assert "(bf16 gradients," in out
+
+
+@pytest.mark.extended   # about 35 s a tag: make test-compat
+def test_the_bypass_refits_its_link_in_the_plug_in(megatron_lm, tmp_path):
+    """The plug-in runs the same bypass as the trainer: the link measured at start-up, then
+    refitted every ``--edgc-link-window`` iterations from the job's own collectives (one
+    flush per window), named in the EDGC line and in every record (loopback links: this
+    checks the wiring; tests/test_netns.py changes a link under the trainer)."""
+    static = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "auto",
+              "--edgc-link-window", "2"]
+    out, losses, records = run_megatron_lm(megatron_lm, megatron_lm[2], static, tmp_path,
+                                           "link")
+    assert len(losses) == 8 and [r["iteration"] for r in records] == list(range(1, 9))
+    assert all(r["dp_link_gbps"] > 0 for r in records)
+    assert re.search(r"\| link [0-9.]+ Gbit/s, \d+ dense", out), out[-3000:]
+    assert "measured at start-up)" in out
+    refits = sorted({int(m) for m in re.findall(
+        r"iteration (\d+): bypass: link [0-9.e+-]+ -> [0-9.e+-]+ Gbit/s", out)})
+    assert refits == [3, 5, 7], out[-3000:]
