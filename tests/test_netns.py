@@ -137,7 +137,7 @@ def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_names
             "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2",
             "--train-iters", str(ITERS), "--lr-warmup-iters", "2", "--eval-interval", "1000",
             "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
-            "--edgc-mode", "static", "--edgc-rank", "32", "--edgc-bypass", "auto",
+            "--edgc-mode", "static", "--edgc-rank", "48", "--edgc-bypass", "auto",
             "--edgc-link-window", str(WINDOW)]
     rates = RateSchedule([(SLOW_AT, "100mbit"), (FAST_AT, "2gbit")], str(log))
     with ShapedNetwork(4, "2gbit", ranks_per_namespace=per_namespace) as net:
