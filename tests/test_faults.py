@@ -88,22 +88,7 @@ def test_killed_rank_restarts_from_last_checkpoint(layout, small_model_argv, tmp
            "--load", ck, "--save-interval", "5"]
     with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:
         job = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env)
-        killed_after = None
-        try:
-            deadline = time.monotonic() + 240
-            while killed_after is None and time.monotonic() < deadline and job.poll() is None:
-                time.sleep(0.02)
-                done = [r["iteration"] for r in read_jsonl_lenient(metrics)] \
-                    if os.path.exists(metrics) else []
-                if done and done[-1] >= 8:                  # past the checkpoint at 5
-                    victim = _worker_with_rank(job.pid, 2)
-                    assert victim is not None, "rank 2's process not found"
-                    os.kill(victim, signal.SIGKILL)
-                    killed_after = done[-1]
-            code = job.wait(timeout=120)
-        finally:
-            if job.poll() is None:
-                job.kill()
+        killed_after, code = kill_rank_after(job, metrics, 8, 2, _worker_with_rank)
     stderr = (tmp_path / "err.log").read_text()
     assert killed_after is not None and killed_after < 20, "the run ended before the kill"
     assert code == 1, stderr[-3000:]
@@ -127,8 +112,12 @@ def test_killed_rank_restarts_from_last_checkpoint(layout, small_model_argv, tmp
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "20"
 
 
-def read_jsonl_lenient(path):
+def read_jsonl_lenient(path) -> list:
+    """The records written so far (none before the file exists; a line being written is
+    left out)."""
     out = []
+    if not os.path.exists(path):
+        return out
     with open(path) as fh:
         for line in fh:
             try:
@@ -136,6 +125,28 @@ def read_jsonl_lenient(path):
             except ValueError:
                 pass
     return out
+
+
+def kill_rank_after(job, metrics: str, after: int, rank: int, find_worker) -> tuple:
+    """SIGKILL ``rank``'s worker of the running ``job`` (``find_worker(job.pid, rank)``) once
+    its metrics file has reached iteration ``after``; returns (the last iteration recorded
+    at the kill or None when the job ended first, the job's exit code). The job is killed
+    if it outlives the waits."""
+    killed_after = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed_after is None and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.02)
+            done = [r["iteration"] for r in read_jsonl_lenient(metrics)]
+            if done and done[-1] >= after:
+                victim = find_worker(job.pid, rank)
+                assert victim is not None, f"rank {rank}'s worker not found"
+                os.kill(victim, signal.SIGKILL)
+                killed_after = done[-1]
+        return killed_after, job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
 
 
 CRASHING_JOB = """

@@ -18,15 +18,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 
 from distributed import compressed_bucket_bytes
+from test_faults import kill_rank_after, read_jsonl_lenient
 from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
 
@@ -532,19 +531,6 @@ def _lm_losses(out: str) -> dict:
             re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", out)}
 
 
-def _records_so_far(metrics: str) -> list:
-    """The EDGC records written so far (a line being written is left out)."""
-    out = []
-    if os.path.exists(metrics):
-        with open(metrics) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    return out
-
-
 @pytest.mark.extended   # about 65 s a tag: make test-compat
 def test_killed_rank_is_named_and_the_job_resumes_exactly(megatron_lm, tmp_path):
     """Rank 2 SIGKILLed mid-run, past the first save, on the slow hop (DP 4 as 2
@@ -569,28 +555,14 @@ def test_killed_rank_is_named_and_the_job_resumes_exactly(megatron_lm, tmp_path)
     with open(tmp_path / "crashed.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=log,
                                 stderr=subprocess.STDOUT)
-        killed_after = None
-        try:
-            deadline = time.monotonic() + 240
-            while killed_after is None and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.02)
-                done = [r["iteration"] for r in _records_so_far(metrics)]
-                if done and done[-1] >= 6:                 # past the save at 4
-                    victim = _worker_of_rank(proc.pid, 2)
-                    assert victim is not None, "rank 2's worker not found"
-                    os.kill(victim, signal.SIGKILL)
-                    killed_after = done[-1]
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        killed_after, code = kill_rank_after(proc, metrics, 6, 2, _worker_of_rank)
     out = (tmp_path / "crashed.log").read_text()
     assert killed_after is not None and killed_after < 16, "the run ended before the kill"
     assert code != 0, out[-4000:]
     assert [line for line in out.splitlines() if "was lost" in line] == [LOST_RANK_2], \
         out[-4000:]
     last = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
-    crashed = [r["iteration"] for r in _records_so_far(metrics)]
+    crashed = [r["iteration"] for r in read_jsonl_lenient(metrics)]
     assert last in (4, 8, 12) and last <= crashed[-1] < 16, (last, crashed)
 
     out, _, resumed = run_megatron_lm(megatron_lm, megatron_lm[2],
