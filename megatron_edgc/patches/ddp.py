@@ -199,12 +199,6 @@ class DPGradientCompression:
             return True
         return all(dist.get_backend(pg) == "nccl" for pg, _ in self.planner.process_groups())
 
-    def link_refresh_due(self, iteration: int) -> bool:
-        """Whether step ``iteration``'s :meth:`prepare_iteration` refits the links: the
-        steps before it must have been read (flushed) by then."""
-        return self.bypass == "auto" and self.rank is not None and \
-            iteration >= self.start_iter and self.planner.refresh_due(iteration)
-
     def observe_link(self, steps: list) -> None:
         """The link collectives of read steps (``DPSyncStats`` after ``resolve_all``)."""
         for step in steps:
