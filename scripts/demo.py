@@ -186,7 +186,7 @@ def report(out: str, summaries: dict, world: int, dp: int, link: dict) -> None:
         steady_from = start + 2
         print(f"\nafter EDGC's warm-up (iterations {steady_from}-"
               f"{records['edgc'][-1]['iteration']}, both runs; iteration {start + 1}, where "
-              f"EDGC's bypass measured the link once, took {probe['iter_ms']:.0f} ms and is "
+              f"EDGC's bypass probed the link at start-up, took {probe['iter_ms']:.0f} ms and is "
               f"left out):")
         print(f"{'run':<10} {'ms/iter' + tag:>19} {'DP-sync ms' + tag:>22} {'DP MiB/iter':>11}")
         for name, recs in records.items():
