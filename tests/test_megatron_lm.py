@@ -11,20 +11,19 @@ A tag whose snapshot or environment is missing skips, saying which and how to ge
 unpacked ``megatron-lm-<tag>/``).
 """
 
-import difflib
 import functools
 import glob
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
 from distributed import compressed_bucket_bytes
+from megatron_lm_job import (ARGS, ENABLE_LINE, MAIN, PROVIDER, TORCH_DIST, add_two_lines,
+                            lm_losses, read_records, torchrun_command, unpack)
 from test_faults import kill_rank_after, read_jsonl_lenient
 from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
@@ -34,36 +33,10 @@ VENDOR = os.environ.get("EDGC_MEGATRON_LM") or os.path.join(ROOT, "..", "shared"
 #: Megatron-LM tag -> the megatron-core release series it pairs with.
 TAGS = {"core_v0.16.1": "0.16", "core_v0.19.0": "0.19"}
 
-#: The two lines a user adds to their pretrain_gpt.py (README, "EDGC in your Megatron-LM job"):
-#: the first at the top of its ``if __name__ == "__main__":`` block, the second replacing the
-#: ``extra_args_provider=`` of ``pretrain`` (core_v0.16.1) or ``parse_and_validate_args``
-#: (core_v0.19.0).
-MAIN = 'if __name__ == "__main__":\n'
-ENABLE_LINE = "    import megatron_edgc.megatron_lm as edgc; edgc.enable()\n"
-PROVIDER = "extra_args_provider=edgc.add_args,"
-
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1000",
-         "--make-vocab-size-divisible-by", "128"]
-ARGS = MODEL + [
-    "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-    "--distributed-backend", "gloo", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--seed", "1234",
-    "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0",
-    "--split", "949,50,1", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--rerun-mode", "disabled",
-    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    "--ckpt-format", "torch"]
 EDGC = ["--edgc-mode", "edgc", "--edgc-window", "2", "--edgc-warmup-max-iters", "2",
         "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
         "--edgc-iter-sample-rate", "1.0", "--edgc-bypass", "off", "--edgc-dac", "off",
         "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "16"]
-#: Megatron-LM's default format as large jobs run it: distributed optimizer, bf16, async.
-TORCH_DIST = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--bf16",
-              "--async-save"]
 
 
 def _probe(python: str, pythonpath: str) -> tuple:
@@ -123,24 +96,8 @@ def megatron_lm(request, tmp_path_factory):
     env = environment(TAGS[tag])
     if isinstance(env, str):
         pytest.skip(f"Megatron-LM {tag}: {env}")
-    if os.path.isdir(source):
-        where = source
-    else:
-        where = str(tmp_path_factory.mktemp(f"megatron-lm-{tag}"))
-        with tarfile.open(source) as tar:
-            tar.extractall(where, filter="data")
-    original = os.path.join(where, "pretrain_gpt.py")
-    with open(original) as fh:
-        text = fh.read()
-    assert text.count(MAIN) == 1 and text.count("extra_args_provider=") == 1
-    patched = text.replace(MAIN, MAIN + ENABLE_LINE)
-    patched = re.sub(r"extra_args_provider=[^\n]*,", PROVIDER, patched)
-    diff = list(difflib.ndiff(text.splitlines(), patched.splitlines()))
-    added, removed = [d for d in diff if d[:2] == "+ "], [d for d in diff if d[:2] == "- "]
-    assert len(added) == 2 and len(removed) == 1, (added, removed)  # two lines, one replaced
-    copy = os.path.join(where, "pretrain_gpt_edgc.py")
-    with open(copy, "w") as fh:
-        fh.write(patched)
+    where = unpack(source, str(tmp_path_factory.mktemp(f"megatron-lm-{tag}")))
+    original, copy = add_two_lines(where)
     return where, original, copy, env
 
 
@@ -149,20 +106,12 @@ def megatron_lm_command(megatron_lm, script: str, extra: list, tmp_path, name: s
     """(command, environment, EDGC metrics file) of one torchrun of ``script``."""
     where, _, _, (python, pythonpath) = megatron_lm
     metrics = str(tmp_path / f"{name}.jsonl")
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "megatron_edgc.megatron_lm_cpu", script, *ARGS, *extra]
+    cmd = torchrun_command(python, script, ARGS + list(extra), nproc)
     if script != megatron_lm[1]:
         cmd += ["--edgc-metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([where, ROOT, pythonpath]))
     return cmd, env, metrics
-
-
-def read_records(metrics: str) -> list:
-    if not os.path.exists(metrics):
-        return []
-    with open(metrics) as fh:
-        return [json.loads(line) for line in fh]
 
 
 def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
@@ -525,12 +474,6 @@ def _worker_of_rank(agent_pid: int, rank: int):
     return found[0] if found else None
 
 
-def _lm_losses(out: str) -> dict:
-    """Megatron-LM's printed ``lm loss`` of each logged iteration."""
-    return {int(it): float(loss) for it, loss in
-            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", out)}
-
-
 @pytest.mark.extended   # about 65 s a tag: make test-compat
 def test_killed_rank_is_named_and_the_job_resumes_exactly(megatron_lm, tmp_path):
     """Rank 2 SIGKILLed mid-run, past the first save, on the slow hop (DP 4 as 2
@@ -545,7 +488,7 @@ def test_killed_rank_is_named_and_the_job_resumes_exactly(megatron_lm, tmp_path)
                                     job + ["--save", str(tmp_path / "whole-ckpt")], tmp_path,
                                     "whole")
     assert "compressing the slow hop only" in out and "(bf16 gradients," in out
-    want = _lm_losses(out)
+    want = lm_losses(out)
     assert sorted(want) == list(range(1, 17)) and [r["iteration"] for r in whole] == \
         list(range(1, 17))
 
@@ -578,7 +521,7 @@ def test_killed_rank_is_named_and_the_job_resumes_exactly(megatron_lm, tmp_path)
     assert any(r["rank_dp"] != whole[2]["rank_dp"] for r in whole[last:])  # controller moved
     # Megatron-LM's losses, as printed: its first line after a start shows that iteration,
     # its second the mean of the two (the accumulator is first reset there), then each its own.
-    got = _lm_losses(out)
+    got = lm_losses(out)
     assert sorted(got) == list(range(last + 1, 17))
     first, second = last + 1, last + 2
     assert got[first] == want[first]
