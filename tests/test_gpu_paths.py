@@ -1,6 +1,7 @@
 """The parts of the CUDA code path that CPU can run: workers started with ``spawn`` and
-the model in bf16. Both broke on the first H100 run (BENCHMARKS.md, GPU check) and both
-reproduce here."""
+the model in bf16 (both broke on the first H100 run: BENCHMARKS.md, GPU check), and the
+fused paths chosen by what is installed (the first H200 run, without Apex). Each
+reproduces here."""
 
 import os
 import subprocess
@@ -74,3 +75,33 @@ def test_bf16_model_trains_like_fp32(fp32_and_bf16_runs):
     assert max(diffs) < 0.05, diffs
     assert bf16[-1]["dp_bytes_sent_job"] == fp32[-1]["dp_bytes_sent_job"]
     assert bf16[-1]["dp_bytes_sent_job"] < bf16[-1]["dp_bytes_dense_job"] / 4
+
+
+FUSED_KERNELS = {  # TransformerConfig switch -> the modules it needs on a GPU
+    "masked_softmax_fusion": ("scaled_masked_softmax_cuda",
+                              "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"),
+    "bias_activation_fusion": ("triton",),
+    "bias_dropout_fusion": ("triton",),
+    "gradient_accumulation_fusion": ("fused_weight_gradient_mlp_cuda",),
+    "persist_layer_norm": ("apex.contrib.layer_norm.layer_norm",),
+}
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["kernels-absent", "kernels-present"])
+def test_fused_paths_follow_their_kernels_on_gpu(monkeypatch, installed):
+    """On a GPU each fused path is on only where its kernel imports: the H200 without Apex
+    crashed at the first forward (``No module named 'scaled_masked_softmax_cuda'``) with
+    ``masked_softmax_fusion`` set from the device alone. Off on CPU, whatever is installed."""
+    import types
+
+    from megatron_edgc.config import RunConfig
+    from megatron_edgc.training.model import transformer_config
+
+    for modules in FUSED_KERNELS.values():
+        for name in modules:  # None in sys.modules: the import raises ImportError
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name) if installed else None)
+    config = transformer_config(RunConfig(), bf16=True, on_gpu=True)
+    assert {flag: getattr(config, flag) for flag in FUSED_KERNELS} == \
+        dict.fromkeys(FUSED_KERNELS, installed)
+    config = transformer_config(RunConfig(), bf16=True, on_gpu=False)
+    assert not any(getattr(config, flag) for flag in FUSED_KERNELS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,48 @@ def layer_spec(num_experts=None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec(num_experts=num_experts)
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:  # absent, or built against another torch/CUDA
+        return False
+
+
+def fusions(on_gpu: bool) -> dict:
+    """megatron-core's fused paths, each on only where what it needs imports (as
+    Megatron-LM users without Apex pass ``--no-masked-softmax-fusion`` and the like);
+    all off on CPU. megatron-core imports these kernels at first use, without a fallback:
+
+    * ``masked_softmax_fusion``: the softmax kernels of Apex (or of Megatron-LM's
+      ``fused_kernels``): ``scaled_masked_softmax_cuda``,
+      ``scaled_upper_triang_masked_softmax_cuda`` (causal masks), ``scaled_softmax_cuda``;
+    * ``bias_activation_fusion`` (bias-GeLU), ``bias_dropout_fusion``: functions compiled by
+      ``megatron.core.jit.jit_fuser``; ``torch.compile`` (torch >= 2.2) needs ``triton`` on a GPU;
+    * ``gradient_accumulation_fusion``: Apex's ``fused_weight_gradient_mlp_cuda`` (the
+      output layer is megatron-core's own linear layer, TE spec or not);
+    * ``persist_layer_norm``: Apex's ``apex.contrib.layer_norm`` (only Apex's FusedLayerNorm
+      has the persistent kernel; the local spec's torch norm refuses the flag).
+
+    RoPE fusion does not apply: the positions are learned.
+    """
+    from megatron.core import jit
+
+    def needs(*modules: str) -> bool:
+        return on_gpu and all(map(_importable, modules))
+
+    compiled = needs("triton") if jit.jit_fuser is torch.compile else needs()
+    return dict(
+        masked_softmax_fusion=needs("scaled_masked_softmax_cuda",
+                                    "scaled_upper_triang_masked_softmax_cuda",
+                                    "scaled_softmax_cuda"),
+        bias_activation_fusion=compiled,
+        bias_dropout_fusion=compiled,
+        gradient_accumulation_fusion=needs("fused_weight_gradient_mlp_cuda"),
+        persist_layer_norm=needs("apex.contrib.layer_norm.layer_norm"),
+    )
 
 
 def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
@@ -60,12 +103,8 @@ def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
         params_dtype=dtype,
         bf16=bf16,
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,
         sequence_parallel=False,
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=False,
+        **fusions(on_gpu),
         # PP=2 with virtual stages and batched p2p swaps tensors (FINDINGS.md): use
         # Megatron-LM's setting for the interleaved schedule.
         batch_p2p_comm=vp is None,
