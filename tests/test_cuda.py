@@ -181,10 +181,12 @@ def test_collective_completion_stamp_without_waiting():
     collective's result is right. One process: NCCL on a GPU, gloo on CPU."""
     import torch.distributed as dist
 
-    on_gpu = torch.device(DEVICE).type == "cuda"
+    device = torch.device(DEVICE)
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is None:  # init_process_group's device_id needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, **({"device_id": torch.device(DEVICE)}
-                                             if on_gpu else {}))
+                            world_size=1, **({"device_id": device} if on_gpu else {}))
     try:
         clock = IntervalClock(use_cuda=on_gpu)
         x = torch.ones(1 << 22, device=DEVICE)
