@@ -2,51 +2,69 @@
 """The GPU validation checklist in one command: install the carried wheels, run every
 check, write ``gpu_report.json`` and ``gpu_report.md``.
 
-    python scripts/gpu_check.py [--out DIR] [--wheels .whl] [--target /tmp/edgc-site]
-    python scripts/gpu_check.py --device cpu --out /tmp/gpu-dry-run     # the CPU dry run
+    python scripts/gpu_check.py [--out DIR] [--jobs 8] [--megatron-lm build/megatron-lm/...]
+    python scripts/gpu_check.py --device cpu --bf16 --jobs 2 --out /tmp/dry   # the dry run
 
 On a bare GPU machine (Python 3.12 and torch there, no internet) run ``make gpu-wheels``
-beforehand where the registry is reachable and carry ``.whl/``. The checks, each in its
-own process with a time limit, each failing on its own (the report says which and why):
+beforehand where the registry is reachable and carry ``.whl/``, ``data/`` and a copy of the
+Megatron-LM snapshot (docs/gpu-validation.md). ``install`` and ``data`` run first; then the
+checks below, ``--jobs`` at a time, each in its own process(es) with a time limit and its
+own rendezvous port (:class:`Ports`), each failing on its own (the report says which and
+why); ``kernels`` last and alone (its times are not shared with other jobs):
 
 1. ``install``: the wheels into ``--target`` (skipped when megatron-core imports already);
 2. ``unit``: ``tests/test_cuda.py`` on the device (``EDGC_TEST_DEVICE``);
-3. ``e2e``: one rank, NCCL (gloo on CPU), bf16 on CUDA, ``--edgc-mode off / static / edgc``
-   on ``tiny-cpu`` and ``gpt2-small-cpu``: the loss falls, DP bytes against the rank's
-   formula, a checkpoint at the midpoint resumed to the end against the uninterrupted run;
-4. ``gloo4``: the 4-process TP1·PP2·DP2 layouts with gloo on CUDA tensors (static DP
-   compression, EDGC with pipeline compression); on CPU the project's usual path;
-5. ``kernels``: ``bench/gpu_kernels.py`` (compress/decompress kernels of the paper
-   configs' TP-sharded shapes, ranks 16/32/64, fp32 and bf16 factors, entropy sampler
-   cost, error-feedback memory); on CPU shapes scaled by 1/16 at rank 16;
+3. ``e2e``: one rank, NCCL (gloo on CPU), bf16 on CUDA, ``--modes`` x ``--configs`` and the
+   ``--variants`` (:data:`E2E_VARIANTS`): every loss and grad norm finite, the loss falls,
+   DP bytes against the rank's formula, a checkpoint at the midpoint resumed to the end
+   equal to the uninterrupted run;
+4. the 4-process TP1·PP2·DP2 layouts (static DP compression, EDGC with pipeline
+   compression): NCCL with >= 4 GPUs, else gloo on CPU tensors (gloo's TCP transport cannot
+   carry CUDA tensors), named so (:func:`four_process_layout`);
+5. ``plugin``: Megatron-LM core_v0.16.1's own ``pretrain_gpt.py`` with the two lines, one
+   rank, NCCL (gloo on CPU), bf16, distributed optimizer, modes static and edgc with and
+   without ``--grad-reduce-in-bf16``: a ``torch_dist`` checkpoint at the midpoint resumed
+   to the end equal to the uninterrupted run;
 6. ``sync``: one compressed training step (overlapped DP reduce) under
    ``torch.cuda.set_sync_debug_mode("warn")``, each reported sync with the project frame
-   it came from (on CPU there are none to report: the check says so).
+   it came from (on CPU there are none to report: the check says so);
+7. ``kernels``: ``bench/gpu_kernels.py`` (compress/decompress kernels of the paper
+   configs' TP-sharded shapes, ranks 16/32/64, fp32 and bf16 factors, entropy sampler
+   cost, error-feedback memory); on CPU shapes scaled by 1/16 at rank 16.
 
-Budget on one H100: under 10 minutes (the report has each check's seconds).
+Budget on one H100/H200 with ``--jobs 8``: about 5 minutes (the report has each check's
+seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import json
+import math
 import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 from megatron_edgc.training.checkpoint_files import LATEST  # noqa: E402  (no torch import)
+import megatron_lm_job as mlm  # noqa: E402  (standard library only)
+
 CONFIGS = ("tiny-cpu", "gpt2-small-cpu")
 MODES = ("off", "static", "edgc")
+CHECKS = ("install", "data", "unit", "e2e", "gloo4", "plugin", "sync", "kernels")
 # Short runs: EDGC's windows scaled so that warm-up ends at iteration 10 and the
 # controller decides twice more; the static/edgc DP compression is forced (no bypass).
 E2E_ITERS = 40
@@ -58,9 +76,30 @@ E2E_FLAGS = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
              "--edgc-compress-single-replica"]
 MODE_FLAGS = {"off": ["--edgc-mode", "off"], "static": ["--edgc-mode", "static"],
               "edgc": ["--edgc-mode", "edgc"]}
+#: Extra e2e runs, name -> (config, mode, flags): run when their config and mode are
+#: chosen and ``--variants`` names them (default: all). Flags needing bf16 skip without it.
+E2E_VARIANTS = {
+    # the H200 run of 2026-11-26: EDGC at r_max 64 went NaN at iteration 13 in bf16
+    "e2e-gpt2-small-cpu-edgc-bf16grads": ("gpt2-small-cpu", "edgc",
+                                          ["--edgc-rank-max", "64", "--grad-reduce-in-bf16"]),
+}
 GLOO4 = {"static-dp": ["--edgc-mode", "static"],
          "edgc-pp": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc",
                      "--edgc-window", "5", "--edgc-warmup-max-iters", "10"]}
+#: The plug-in check: one rank (DP 1 compressed when asked), bf16, the distributed
+#: optimizer, synchronous torch_dist saves; modes static and edgc.
+PLUGIN_ITERS = 12
+PLUGIN_FLAGS = ["--pipeline-model-parallel-size", "1", "--train-iters", str(PLUGIN_ITERS),
+                *[f for f in mlm.TORCH_DIST if f != "--async-save"],
+                "--edgc-compress-single-replica"]
+PLUGIN_MODES = {"static": ["--edgc-mode", "static", "--edgc-rank", "8", "--edgc-bypass", "off"],
+                "edgc": mlm.EDGC_DP}
+MEGATRON_LM_TAG = "core_v0.16.1"
+#: Where ``--megatron-lm`` is looked for by default: the git-ignored copy a device call
+#: carries inside the repository, then the shared vendor folder of this workplace.
+MEGATRON_LM_DEFAULTS = [os.path.join(ROOT, "build", "megatron-lm", f"megatron-lm-{MEGATRON_LM_TAG}{e}")
+                        for e in (".tar.gz", "")] + \
+    [os.path.join(ROOT, "..", "shared", "vendor", f"megatron-lm-{MEGATRON_LM_TAG}.tar.gz")]
 
 
 def run(cmd: list, env: dict, timeout: float, log_path: str) -> tuple[int, str, float]:
@@ -78,10 +117,76 @@ def run(cmd: list, env: dict, timeout: float, log_path: str) -> tuple[int, str, 
 
 
 def read_jsonl(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return mlm.read_records(path)
+
+
+def csv_list(choices, allow_empty: bool = False):
+    """An argparse type: a comma-separated list, each item one of ``choices``."""
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or (not items and not allow_empty):
+            raise argparse.ArgumentTypeError(
+                f"{','.join(bad) or 'nothing'}: choose from {','.join(choices)}")
+        return items
+    return parse
+
+
+class Ports:
+    """Rendezvous ports for concurrent checks, each handed out once: taken from below the
+    kernel's ephemeral range (no ``connect()`` or ``bind(0)`` of a running job, NCCL's and
+    gloo's included, can take one meanwhile) and checked free by a bind. ``free_port()``
+    (bind 0, release, let the job bind it later) races: two jobs started together got the
+    same port on the H200 (EADDRINUSE)."""
+
+    def __init__(self, start: int | None = None):
+        self.end = ephemeral_range()[0]
+        self.next = start or max(1024, self.end - 8000)
+        self.lock = threading.Lock()
+
+    def take(self) -> int:
+        with self.lock:
+            while self.next < self.end:
+                port, self.next = self.next, self.next + 1
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    try:
+                        s.bind(("127.0.0.1", port))
+                        return port
+                    except OSError:
+                        continue
+        raise RuntimeError(f"no free port left below the ephemeral range ({self.end})")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = map(int, fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def four_process_layout(device: str, gpus: int) -> dict:
+    """How the 4-process layouts run: NCCL on CUDA with >= 4 GPUs; with fewer, gloo on CPU
+    tensors (``CUDA_VISIBLE_DEVICES=""``: gloo's TCP transport cannot carry CUDA tensors,
+    "writev: Bad address" on the H200), named so; on a CPU run gloo, the project's usual
+    path. Returns the name's prefix and suffix, the backend, the env and a note."""
+    if device == "cuda" and gpus >= 4:
+        return {"prefix": "nccl4", "suffix": "", "backend": "nccl", "env": {},
+                "note": f"NCCL on {gpus} GPUs"}
+    if device == "cuda":
+        return {"prefix": "gloo4", "suffix": "-cpu-tensors", "backend": "gloo",
+                "env": {"CUDA_VISIBLE_DEVICES": ""},
+                "note": f"{gpus} GPU(s) < 4: gloo on CPU tensors, not on the GPU"}
+    return {"prefix": "gloo4", "suffix": "", "backend": "gloo", "env": {}, "note": "CPU"}
+
+
+def nonfinite(records: list, keys=("loss", "grad_norm")) -> list:
+    """Iterations whose ``keys`` (those present) are NaN, infinite or missing values."""
+    return [r.get("iteration") for r in records
+            if any(k in r and not (isinstance(r[k], (int, float)) and math.isfinite(r[k]))
+                   for k in keys)]
 
 
 class Checklist:
@@ -99,13 +204,19 @@ class Checklist:
             paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
         if not self.cuda:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
+        self.ports = Ports()
+        self.lock = threading.Lock()
+        self.order: dict = {}   # check name -> its place in the report
         self.checks: list = []
+        self.megatron_lm = None  # (directory, the two-line script) once prepared
         self.env_info = self.environment()
 
     def record(self, name: str, ok, seconds: float, **details) -> dict:
         entry = {"check": name, "ok": ok, "seconds": round(seconds, 1), **details}
-        self.checks.append(entry)
-        self.write()  # after every check: a run cut off at its time limit still reports
+        with self.lock:
+            self.checks.append(entry)
+            self.checks.sort(key=lambda c: self.order.get(c["check"], len(self.order)))
+            self.write()  # after every check: a run cut off at its time limit still reports
         status = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
         print(f"[{status}] {name} ({seconds:.0f} s) "
               f"{details.get('summary', '')}", flush=True)
@@ -113,6 +224,53 @@ class Checklist:
 
     def python(self, *args) -> list:
         return [sys.executable, *args]
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self) -> tuple[list, list, list]:
+        """(first, in parallel, last alone): lists of (check name, callable)."""
+        a, wanted = self.args, set(self.args.only or CHECKS)
+        first = [(n, getattr(self, f"check_{n}")) for n in ("install", "data") if n in wanted]
+        pool = [("unit", self.check_unit)] if "unit" in wanted else []
+        if "e2e" in wanted:
+            pool += [(f"e2e-{c}-{m}", lambda c=c, m=m: self.check_e2e(f"e2e-{c}-{m}", c, m))
+                     for c in a.configs for m in a.modes]
+            pool += [(n, lambda n=n, v=v: self.check_e2e(n, *v))
+                     for n, v in E2E_VARIANTS.items()
+                     if n in a.variants and v[0] in a.configs and v[1] in a.modes]
+        if "gloo4" in wanted:
+            lay = four_process_layout(a.device, a.gpus)
+            pool += [(f"{lay['prefix']}-{n}{lay['suffix']}",
+                      lambda n=n, f=f: self.check_gloo4(n, f, lay)) for n, f in GLOO4.items()]
+        if "plugin" in wanted:
+            pool += [(f"plugin-{m}{'-bf16grads' if g else ''}",
+                      lambda m=m, g=g: self.check_plugin(m, g))
+                     for m in PLUGIN_MODES if m in a.modes for g in (False, True)]
+        if "sync" in wanted:
+            pool.append(("sync", self.check_sync))
+        last = [("kernels", self.check_kernels)] if "kernels" in wanted else []
+        return first, pool, last
+
+    def run_all(self) -> None:
+        first, pool, last = self.plan()
+        self.order = {name: i for i, (name, _) in enumerate(first + pool + last)}
+        for name, fn in first:
+            self.guarded(name, fn)
+        if any(n.startswith("plugin-") for n, _ in pool):
+            self.prepare_megatron_lm()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.jobs) as ex:
+            list(ex.map(lambda task: self.guarded(*task), pool))
+        for name, fn in last:
+            self.guarded(name, fn)
+
+    def guarded(self, name: str, fn) -> None:
+        """Run one check; an error of the checklist itself fails that check only."""
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 (reported as the check's failure)
+            self.record(name, False, time.perf_counter() - t0, summary="checklist error",
+                        tail=traceback.format_exc()[-3000:])
 
     # ------------------------------------------------------------------ checks
 
@@ -173,17 +331,60 @@ class Checklist:
         return self.record("unit", rc == 0, secs, summary=line.strip(),
                            tail=None if rc == 0 else tail)
 
-    def _train(self, name: str, flags: list, timeout: float) -> dict:
+    def _train(self, name: str, flags: list, timeout: float, env: dict | None = None) -> dict:
+        """One run of the trainer (its own rendezvous port); its records and output."""
         metrics = os.path.join(self.work, name + ".jsonl")
         rc, tail, secs = run(self.python("pretrain_gpt2_edgc.py", *flags,
+                                         "--master-port", str(self.ports.take()),
                                          "--metrics-file", metrics),
-                             self.env, timeout, os.path.join(self.logs, name + ".log"))
+                             dict(self.env, **(env or {})), timeout,
+                             os.path.join(self.logs, name + ".log"))
         return {"rc": rc, "tail": tail, "seconds": secs, "records": read_jsonl(metrics)}
 
-    def check_e2e(self, config: str, mode: str):
-        name = f"e2e-{config}-{mode}"
+    def assess(self, full: dict, resumed: dict, iters: int, expect_compressed: bool,
+               drop: float) -> dict:
+        """What every training check asserts: the run ended, every loss and grad norm is
+        finite, the loss falls by ``drop`` (first against the last five), the resumed half
+        equals the uninterrupted one (exact on CPU; on CUDA within 0.02: bf16 with atomics
+        in backward, far inside the loss's own step-to-step change), and iterations are
+        compressed exactly when the mode compresses. Returns the details, ``ok`` among them."""
+        recs = full["records"]
+        if full["rc"] != 0 or len(recs) < iters:
+            return {"ok": False, "summary": f"training failed (rc {full['rc']}, "
+                    f"{len(recs)}/{iters} iterations)", "tail": full["tail"]}
+        bad = nonfinite(recs)
+        first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
+        by_iter = {r["iteration"]: r["loss"] for r in recs}
+        resumed_losses = {r["iteration"]: r["loss"] for r in resumed["records"]}
+        diffs = [abs(resumed_losses[i] - by_iter[i]) for i in resumed_losses if i in by_iter]
+        max_diff = max(diffs) if diffs else None
+        resume_ok = resumed["rc"] == 0 and len(diffs) == iters - iters // 2 and \
+            max_diff <= (0.02 if self.cuda else 0.0)
+        compressed = [r for r in recs if r.get("dp_bytes_sent_job", 0) <
+                      r.get("dp_bytes_dense_job", 0)]
+        d = {"first_loss": first, "last5_loss": last, "nonfinite_iterations": bad,
+             "loss_falls": not bad and last < first - drop,
+             "resume_max_abs_loss_diff": max_diff, "resume_ok": resume_ok,
+             "compressed_iterations": len(compressed),
+             "dp_bytes_last": recs[-1].get("dp_bytes_sent_job"),
+             "dp_bytes_dense": recs[-1].get("dp_bytes_dense_job"),
+             "rank_last": recs[-1].get("rank_dp", recs[-1].get("rank"))}
+        d["ok"] = d["loss_falls"] and resume_ok and bool(compressed) == expect_compressed
+        d["summary"] = (
+            (f"NON-FINITE at iterations {bad[:5]}{'...' if len(bad) > 5 else ''}; " if bad
+             else "") + f"loss {first:.3f} -> {last:.3f}, resume max |Δloss| "
+            f"{max_diff if max_diff is None else format(max_diff, '.2e')}, "
+            f"{len(compressed)}/{len(recs)} compressed iterations, "
+            f"DP bytes {d['dp_bytes_last']} of {d['dp_bytes_dense']}")
+        if not d["ok"]:
+            d["tail"] = resumed.get("tail") or full["tail"]
+        return d
+
+    def check_e2e(self, name: str, config: str, mode: str, extra: list = ()):
+        if "--grad-reduce-in-bf16" in extra and not self.bf16:
+            return self.record(name, None, 0.0, summary="needs bf16 (--bf16 on CPU)")
         ck = os.path.join(self.work, name + "-ckpt")
-        base = ["--config", f"configs/{config}.yaml", *E2E_FLAGS, *MODE_FLAGS[mode],
+        base = ["--config", f"configs/{config}.yaml", *E2E_FLAGS, *MODE_FLAGS[mode], *extra,
                 *(["--bf16"] if self.bf16 else []),
                 *(["--distributed-backend", "nccl"] if self.cuda else [])]
         half = E2E_ITERS // 2
@@ -196,57 +397,84 @@ class Checklist:
                                   self.args.run_timeout)
         else:
             resumed = {"rc": None, "records": [], "seconds": 0.0, "tail": ""}
-        secs = full["seconds"] + resumed["seconds"]
-        recs = full["records"]
-        if full["rc"] != 0 or len(recs) < E2E_ITERS:
-            return self.record(name, False, secs, summary=f"training failed (rc {full['rc']})",
-                               tail=full["tail"])
-        first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
-        by_iter = {r["iteration"]: r["loss"] for r in recs}
-        resumed_losses = {r["iteration"]: r["loss"] for r in resumed["records"]}
-        diffs = [abs(resumed_losses[i] - by_iter[i]) for i in resumed_losses if i in by_iter]
-        max_diff = max(diffs) if diffs else None
-        # bf16 on CUDA: not bit-exact (atomics in backward), but a resumed run must track
-        # the uninterrupted one far inside the loss's own step-to-step change.
-        resume_ok = resumed["rc"] == 0 and len(diffs) == E2E_ITERS // 2 and \
-            max_diff <= (0.02 if self.cuda else 0.0)
-        compressed = [r for r in recs if r.get("dp_bytes_sent_job", 0) <
-                      r.get("dp_bytes_dense_job", 0)]
-        ms = [r["iter_ms"] for r in recs[5:]]
-        details = {
-            "first_loss": first, "last5_loss": last, "loss_falls": last < first - 0.5,
-            "resume_max_abs_loss_diff": max_diff, "resume_ok": resume_ok,
-            "compressed_iterations": len(compressed),
-            "dp_bytes_last": recs[-1].get("dp_bytes_sent_job"),
-            "dp_bytes_dense": recs[-1].get("dp_bytes_dense_job"),
-            "rank_last": recs[-1].get("rank_dp", recs[-1].get("rank")),
-            "ms_per_iter": sum(ms) / len(ms) if ms else None,
-            "grad_sync_ms": recs[-1].get("grad_sync_ms"),
-            "timing_source": "CUDA events" if self.cuda else "host clock"}
-        expect_compressed = mode != "off"
-        ok = details["loss_falls"] and resume_ok and \
-            (bool(compressed) == expect_compressed)
-        summary = (f"loss {first:.3f} -> {last:.3f}, resume max |Δloss| "
-                   f"{max_diff if max_diff is None else format(max_diff, '.2e')}, "
-                   f"{len(compressed)}/{len(recs)} compressed iterations, "
-                   f"DP bytes {details['dp_bytes_last']} of {details['dp_bytes_dense']}")
-        return self.record(name, ok, secs, summary=summary, **details,
-                           tail=None if ok else (resumed.get("tail") or full["tail"]))
+        details = self.assess(full, resumed, E2E_ITERS, mode != "off", drop=0.5)
+        ms = [r["iter_ms"] for r in full["records"][5:]]
+        if full["records"]:
+            details.update(ms_per_iter=sum(ms) / len(ms) if ms else None,
+                           grad_sync_ms=full["records"][-1].get("grad_sync_ms"),
+                           timing_source="CUDA events" if self.cuda else "host clock",
+                           concurrent_jobs=self.args.jobs)
+        return self.record(name, details.pop("ok"), full["seconds"] + resumed["seconds"],
+                           **details)
 
-    def check_gloo4(self, name: str, flags: list):
+    def check_gloo4(self, name: str, flags: list, layout: dict):
+        check = f"{layout['prefix']}-{name}{layout['suffix']}"
         cfg = ["--config", "configs/tiny-cpu.yaml", "--train-iters", "20", "--eval-interval",
                "20", "--eval-iters", "2", "--log-interval", "10", "--lr-warmup-iters", "5",
-               "--distributed-backend", "gloo", *flags]
+               "--distributed-backend", layout["backend"], *flags]
         if self.bf16:
             cfg += ["--bf16"]
-        res = self._train(f"gloo4-{name}", cfg, self.args.run_timeout)
+        res = self._train(check, cfg, self.args.run_timeout, env=layout["env"])
         recs = res["records"]
-        ok = res["rc"] == 0 and len(recs) == 20 and recs[-1]["loss"] < recs[0]["loss"]
-        summary = (f"loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, DP bytes "
-                   f"{recs[-1].get('dp_bytes_sent_job')} of {recs[-1].get('dp_bytes_dense_job')}"
-                   if ok else f"rc {res['rc']}: " + (res["tail"].strip().splitlines() or [""])[-1])
-        return self.record(f"gloo4-{name}", ok, res["seconds"], summary=summary,
+        bad = nonfinite(recs)
+        ok = res["rc"] == 0 and len(recs) == 20 and not bad and \
+            recs[-1]["loss"] < recs[0]["loss"]
+        summary = (f"{layout['note']}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, "
+                   f"DP bytes {recs[-1].get('dp_bytes_sent_job')} of "
+                   f"{recs[-1].get('dp_bytes_dense_job')}" if ok else
+                   f"{layout['note']}: rc {res['rc']}, non-finite at {bad[:5]}: " +
+                   (res["tail"].strip().splitlines() or [""])[-1])
+        return self.record(check, ok, res["seconds"], summary=summary, layout=layout["note"],
                            tail=None if ok else res["tail"])
+
+    def prepare_megatron_lm(self) -> None:
+        """Unpack ``--megatron-lm`` and write its two-line ``pretrain_gpt_edgc.py`` (once,
+        for every plug-in check); on failure each plug-in check says why."""
+        source = self.args.megatron_lm or next(
+            (p for p in MEGATRON_LM_DEFAULTS if os.path.exists(p)), None)
+        if source is None or not os.path.exists(source):
+            self.megatron_lm = (f"no Megatron-LM {MEGATRON_LM_TAG}: pass --megatron-lm PATH "
+                                f"(a tarball or a directory; tried {source or MEGATRON_LM_DEFAULTS})")
+            return
+        try:
+            where = mlm.unpack(source, os.path.join(self.work, "megatron-lm"))
+            self.megatron_lm = (where, mlm.add_two_lines(where)[1])
+        except Exception as exc:  # noqa: BLE001 (each plug-in check reports it)
+            self.megatron_lm = f"{source}: {type(exc).__name__}: {exc}"
+
+    def _megatron_lm(self, name: str, args: list) -> dict:
+        """One torchrun of the two-line ``pretrain_gpt.py`` on one rank (its own port),
+        through this script's runner (:func:`megatron_lm_runner`)."""
+        where, script = self.megatron_lm
+        metrics = os.path.join(self.work, name + ".jsonl")
+        cmd = mlm.torchrun_command(sys.executable, script, [*args, "--edgc-metrics-file",
+                                   metrics], 1, port=self.ports.take(),
+                                   runner=[os.path.abspath(__file__), "--megatron-lm-runner"])
+        env = dict(self.env, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([where, self.env["PYTHONPATH"]]))
+        rc, tail, secs = run(cmd, env, self.args.run_timeout,
+                             os.path.join(self.logs, name + ".log"))
+        return {"rc": rc, "tail": tail, "seconds": secs, "records": read_jsonl(metrics)}
+
+    def check_plugin(self, mode: str, bf16_grads: bool):
+        name = f"plugin-{mode}{'-bf16grads' if bf16_grads else ''}"
+        if isinstance(self.megatron_lm, str) or self.megatron_lm is None:
+            return self.record(name, False, 0.0, summary=str(self.megatron_lm))
+        ck = os.path.join(self.work, name + "-ckpt")
+        half = PLUGIN_ITERS // 2
+        args = [*mlm.ARGS, *PLUGIN_FLAGS, *PLUGIN_MODES[mode],
+                "--distributed-backend", "nccl" if self.cuda else "gloo",
+                *(["--grad-reduce-in-bf16"] if bf16_grads else [])]
+        full = self._megatron_lm(name, args + ["--save", ck, "--save-interval", str(half)])
+        if full["rc"] == 0:   # resume the midpoint's torch_dist checkpoint
+            with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(half))
+            resumed = self._megatron_lm(name + "-resume", args + ["--load", ck])
+        else:
+            resumed = {"rc": None, "records": [], "seconds": 0.0, "tail": ""}
+        details = self.assess(full, resumed, PLUGIN_ITERS, True, drop=0.05)
+        return self.record(name, details.pop("ok"), full["seconds"] + resumed["seconds"],
+                           megatron_lm=MEGATRON_LM_TAG, **details)
 
     def check_kernels(self):
         out = os.path.join(self.out, "kernels.json")
@@ -263,7 +491,8 @@ class Checklist:
         out = os.path.join(self.work, "sync.json")
         rc, tail, secs = run(self.python(os.path.abspath(__file__), "--sync-probe", out,
                                          "--device", self.args.device),
-                             self.env, self.args.run_timeout, os.path.join(self.logs, "sync.log"))
+                             dict(self.env, MASTER_PORT=str(self.ports.take())),
+                             self.args.run_timeout, os.path.join(self.logs, "sync.log"))
         if rc != 0 or not os.path.exists(out):
             return self.record("sync", False, secs, summary=f"probe failed (rc {rc})", tail=tail)
         with open(out) as fh:
@@ -319,7 +548,7 @@ def sync_probe(path: str, device: str) -> int:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     from megatron_edgc.training.launch import free_port
 
-    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # the checklist passes its own
     import torch
 
     from megatron_edgc.config import parse_config
@@ -415,16 +644,55 @@ def write_benchmarks(reports: list) -> None:
                   stamp="runs of " + "; ".join(stamps))
 
 
+def megatron_lm_runner(argv: list) -> None:
+    """torchrun's entry of the plug-in check: Megatron-LM's script through
+    ``megatron_edgc.megatron_lm.cpu`` (import stubs; without CUDA the CPU shims too). With
+    CUDA, a stand-in here (not in the product) for ``_compile_dependencies``, which the
+    trimmed snapshot and a bare GPU image cannot run (``make`` in megatron-core's dataset
+    folder, whose Makefile the wheel lacks; the legacy fused kernels, which need nvcc):
+    the dataset helpers must import, as the CPU shims require."""
+    import torch
+
+    from megatron_edgc.megatron_lm import cpu
+
+    if torch.cuda.is_available():
+        cpu.install_import_stubs()
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        from megatron.training import initialize
+
+        def compile_dependencies():
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        initialize._compile_dependencies = compile_dependencies
+    cpu.main(argv)
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--megatron-lm-runner"]:
+        megatron_lm_runner(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default="gpu_report")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"))
     ap.add_argument("--target", default=None,
                     help="install the wheels here (default: a folder under the system temp)")
-    ap.add_argument("--only", nargs="+", default=None,
-                    help="run only these checks (install, data, unit, e2e, gloo4, kernels, sync)")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--only", nargs="+", default=None, choices=CHECKS,
+                    help="run only these checks")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="checks run at a time after install and data (kernels runs alone)")
+    ap.add_argument("--configs", type=csv_list(CONFIGS), default=list(CONFIGS),
+                    help=f"e2e configs, comma-separated (default {','.join(CONFIGS)})")
+    ap.add_argument("--modes", type=csv_list(MODES), default=list(MODES),
+                    help=f"EDGC modes of the e2e and plug-in checks (default {','.join(MODES)})")
+    ap.add_argument("--variants", type=csv_list(E2E_VARIANTS, allow_empty=True),
+                    default=list(E2E_VARIANTS),
+                    help="extra e2e runs, comma-separated, '' for none (default: all of "
+                         f"{','.join(E2E_VARIANTS)})")
+    ap.add_argument("--megatron-lm", default=None, metavar="PATH",
+                    help=f"Megatron-LM {MEGATRON_LM_TAG}: a tarball or a directory (default: "
+                         "the first of build/megatron-lm/megatron-lm-{tag}.tar.gz, its "
+                         "directory, ../shared/vendor/ that exists)")
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 on CPU too (on CUDA it always does)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
@@ -432,11 +700,14 @@ def main(argv=None) -> int:
                     help="only write BENCHMARKS.md's GPU section from these gpu_report.json")
     ap.add_argument("--sync-probe", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error("--jobs: must be >= 1")
     if args.report:
         write_benchmarks(args.report)
         return 0
     if args.sync_probe:
         return sync_probe(args.sync_probe, args.device)
+    args.gpus = 0
     if args.device == "cuda":
         import torch
 
@@ -444,28 +715,12 @@ def main(argv=None) -> int:
             print("error: --device cuda: no CUDA device here (use --device cpu for a dry run)",
                   file=sys.stderr)
             return 2
+        args.gpus = torch.cuda.device_count()
     if args.target is None:
         args.target = os.path.join(tempfile.gettempdir(), "edgc-site")
     checks = Checklist(args)
-    wanted = set(args.only or ["install", "data", "unit", "e2e", "gloo4", "kernels", "sync"])
     t0 = time.perf_counter()
-    if "install" in wanted:
-        checks.check_install()
-    if "data" in wanted:
-        checks.check_data()
-    if "unit" in wanted:
-        checks.check_unit()
-    if "e2e" in wanted:
-        for config in args.configs:
-            for mode in MODES:
-                checks.check_e2e(config, mode)
-    if "gloo4" in wanted:
-        for name, flags in GLOO4.items():
-            checks.check_gloo4(name, flags)
-    if "kernels" in wanted:
-        checks.check_kernels()
-    if "sync" in wanted:
-        checks.check_sync()
+    checks.run_all()
     report = checks.write()
     shutil.rmtree(checks.work, ignore_errors=True)
     print(f"{'all checks passed' if report['passed'] else 'SOME CHECKS FAILED'} in "

@@ -22,8 +22,9 @@ import sys
 import pytest
 
 from distributed import compressed_bucket_bytes
-from megatron_lm_job import (ARGS, ENABLE_LINE, MAIN, PROVIDER, TORCH_DIST, add_two_lines,
-                            lm_losses, read_records, torchrun_command, unpack)
+from megatron_lm_job import (ARGS, EDGC, EDGC_DP, ENABLE_LINE, MAIN, PROVIDER, TORCH_DIST,
+                            add_two_lines, lm_losses, read_records, torchrun_command,
+                            unpack)
 from test_faults import kill_rank_after, read_jsonl_lenient
 from megatron_edgc.config import ModelConfig, ParallelConfig
 from megatron_edgc.model_shapes import stage_param_shapes
@@ -32,12 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENDOR = os.environ.get("EDGC_MEGATRON_LM") or os.path.join(ROOT, "..", "shared", "vendor")
 #: Megatron-LM tag -> the megatron-core release series it pairs with.
 TAGS = {"core_v0.16.1": "0.16", "core_v0.19.0": "0.19"}
-
-EDGC = ["--edgc-mode", "edgc", "--edgc-window", "2", "--edgc-warmup-max-iters", "2",
-        "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
-        "--edgc-iter-sample-rate", "1.0", "--edgc-bypass", "off", "--edgc-dac", "off",
-        "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "16"]
-
 
 def _probe(python: str, pythonpath: str) -> tuple:
     """(Python X.Y, the megatron-core release it imports with ``pythonpath`` or None)."""
@@ -238,7 +233,7 @@ def test_torch_dist_async_saves_fail_cleanly_and_resume_exactly(megatron_lm, tmp
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "iter_0000008").write_text("in the way")
-    job = EDGC_DP + TORCH_DIST + INSTANCES + ["--grad-reduce-in-bf16"]   # defined below
+    job = EDGC_DP + TORCH_DIST + INSTANCES + ["--grad-reduce-in-bf16"]   # INSTANCES: below
     save = job + ["--save", str(ckpt), "--save-interval", "4"]
     out, _, whole = run_megatron_lm(megatron_lm, megatron_lm[2], save, tmp_path, "whole",
                                     expect_ok=False)
@@ -290,8 +285,6 @@ def test_torch_dist_async_saves_fail_cleanly_and_resume_exactly(megatron_lm, tmp
 
 # ------------------------------------------------------------------ today's models
 
-#: EDGC on the DP sync only (no pipeline to compress on a PP 1 layout).
-EDGC_DP = EDGC[:EDGC.index("--edgc-pp-compression")]
 #: MoE on DP 4 (PP 1): 4 experts, expert parallelism 2 (expert-DP 2), top-2 router, the
 #: alltoall dispatcher (gloo carries its ``all_to_all_single``), SequentialMLP experts.
 MOE = ["--pipeline-model-parallel-size", "1", "--num-experts", "4",
