@@ -9,8 +9,15 @@ import torch
 
 from megatron_edgc.compression.matrices import seeded_gaussian
 
-#: The diagonal shift of the first two CholeskyQR passes, relative to a unit column.
+#: The diagonal shift of the first two CholeskyQR passes, relative to the Gram matrix's
+#: Frobenius norm (at least 1). fp32 rounding perturbs a Gram in proportion to its norm,
+#: which nearly collinear columns raise to ~r: ``P`` of a gradient with one dominant
+#: direction, as early in training. An absolute 1e-5 was below that rounding at r 64: the
+#: shifted Gram lost positive definiteness and cuSOLVER's Cholesky gave NaN (issue 50).
 GRAM_SHIFT = 1e-5
+#: The shift, relative likewise, of the factorization that stands in where one fails all
+#: the same (:func:`_cholesky_factor`).
+RESCUE_SHIFT = 1e-2
 #: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
 #: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
 ORTHOGONALITY_BOUND = 1e-5
@@ -52,14 +59,28 @@ class _IeeeFp32Matmul:
             matmul.allow_tf32 = self.saved
 
 
+def _cholesky_factor(gram: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
+    """``L`` with ``LLᵀ = G + s‖G‖_F·I`` (``s = shift``, the norm at least 1) of each Gram
+    matrix; where that factorization fails (rounding left the shifted Gram indefinite:
+    cuSOLVER's batched potrf returns NaN there, LAPACK finite garbage), the factor with
+    ``s = RESCUE_SHIFT`` instead, which no rounding of a Gram can defeat. Both are one
+    batched ``cholesky_ex`` and the choice is made on the device (no host sync)."""
+    k = gram.shape[0]
+    scale = torch.linalg.matrix_norm(gram).clamp_min(1.0)[:, None, None] * eye
+    both = torch.linalg.cholesky_ex(torch.cat([gram + shift * scale,
+                                               gram + RESCUE_SHIFT * scale]))
+    lower, rescue = both.L[:k], both.L[k:]
+    ok = (both.info[:k] == 0)[:, None, None] & \
+        torch.isfinite(lower).all(dim=(1, 2), keepdim=True)
+    return torch.where(ok, lower, rescue)
+
+
 def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
-    """``x R⁻¹`` with ``RᵀR = xᵀx + shift·I``, batched: one Gram ``bmm``, a batched
-    Cholesky (no error check: no host sync), ``R⁻¹`` from a triangular solve on
-    ``[k, r, r]`` and one ``bmm`` to apply it."""
+    """``x R⁻¹`` with ``RᵀR = xᵀx + s·I`` (:func:`_cholesky_factor`), batched: one Gram
+    ``bmm``, a batched Cholesky, ``R⁻¹`` from a triangular solve on ``[k, r, r]`` and one
+    ``bmm`` to apply it."""
     gram = torch.bmm(x.transpose(1, 2), x)
-    if shift:
-        gram = gram + shift * eye
-    lower = torch.linalg.cholesky_ex(gram).L
+    lower = _cholesky_factor(gram, eye, shift)
     lower_inv = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
     return torch.bmm(x, lower_inv.transpose(1, 2))
 
@@ -74,11 +95,12 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None) -> torc
     1. each matrix is scaled by its largest element (no overflow in the norms), then each
        column to unit norm: a spectrum that decays from column to column (warm-started
        PowerSGD's ``P``) becomes well conditioned, and the span is unchanged;
-    2. two CholeskyQR passes with a diagonal shift ``GRAM_SHIFT`` (the Cholesky succeeds
-       whatever the conditioning): each maps a singular value ``σ`` to ``σ/√(σ²+s)``, so
-       after two every direction of ``P`` above ~1e-5 of its norm has singular value
-       ≈ 1 and the directions ``P`` lacks (zero columns, an all-zero ``P`` of a frozen
-       weight, rank below ``r``) are near 0;
+    2. two CholeskyQR passes with a diagonal shift ``s``, ``GRAM_SHIFT`` times the Gram's
+       norm (the Cholesky succeeds whatever the conditioning, and where rounding defeats
+       it all the same a larger shift stands in: :func:`_cholesky_factor`): each maps a
+       singular value ``σ`` to ``σ/√(σ²+s)``, so after two every direction of ``P`` above
+       ~1e-4 of its norm has singular value ≈ 1 and the directions ``P`` lacks (zero
+       columns, an all-zero ``P`` of a frozen weight, rank below ``r``) are near 0;
     3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed Gaussian
        ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
        has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
