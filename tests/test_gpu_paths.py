@@ -105,3 +105,43 @@ def test_fused_paths_follow_their_kernels_on_gpu(monkeypatch, installed):
         dict.fromkeys(FUSED_KERNELS, installed)
     config = transformer_config(RunConfig(), bf16=True, on_gpu=False)
     assert not any(getattr(config, flag) for flag in FUSED_KERNELS)
+
+
+@pytest.mark.parametrize("apex_or_te", [False, True], ids=["torch-adam", "fused-adam"])
+def test_torch_adam_resume_fix_follows_the_optimizer_not_the_device(monkeypatch, apex_or_te):
+    """The plug-in on the H200 without Apex or TE: resuming ``torch_dist`` with the
+    distributed optimizer asserted in ``DistributedOptimizer.state_dict``, the fix having
+    been applied on CPU only. It applies wherever megatron-core runs torch's Adam, CUDA or
+    not; resumed, each parameter's ``step`` advances by one per optimizer step."""
+    import inspect
+
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megatron_edgc.patches import torch_adam_resume
+
+    optimizer = distrib_optimizer.DistributedOptimizer
+    patched = ("sharded_state_dict", "load_state_dict")
+    for name in patched:  # the originals, restored after the test
+        monkeypatch.setattr(optimizer, name, inspect.unwrap(getattr(optimizer, name)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", apex_or_te)
+    assert torch_adam_resume.apply_torch_adam_resume_fix() is not apex_or_te
+    assert [getattr(getattr(optimizer, n), "__edgc_wrapped__", False) for n in patched] == \
+        [not apex_or_te] * 2
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    adam = torch.optim.Adam(params)
+
+    def load(self, state_dict):  # megatron-core's load: one step tensor for every state
+        step = torch.tensor(float(state_dict["optimizer"]["param_groups"][0]["step"]))
+        for p in params:
+            self.optimizer.state[p] = {"step": step, "exp_avg": torch.zeros(2),
+                                       "exp_avg_sq": torch.zeros(2)}
+
+    holder = type("Holder", (), {"optimizer": adam})()
+    torch_adam_resume._own_step_per_parameter(load)(
+        holder, {"optimizer": {"param_groups": [{"step": 5}]}})
+    for p in params:
+        p.grad = torch.ones(2)
+    adam.step()
+    assert [adam.state[p]["step"].item() for p in params] == [6.0] * 3

@@ -282,10 +282,15 @@ def check_seams() -> None:
 
 
 def enable() -> None:
-    """Install the wrappers (idempotent). Call before ``pretrain(...)``."""
+    """Install the wrappers (idempotent), and megatron-core's torch-Adam resume fix
+    (:mod:`megatron_edgc.patches.torch_adam_resume`) where neither Apex nor TE is
+    installed. Call before ``pretrain(...)``."""
     import importlib
 
+    from megatron_edgc.patches.torch_adam_resume import apply_torch_adam_resume_fix
+
     check_seams()
+    apply_torch_adam_resume_fix()
     for (module_name, name), wrap in _WRAPPERS.items():
         module = importlib.import_module(module_name)
         current = getattr(module, name, None)
