@@ -116,10 +116,6 @@ def run(cmd: list, env: dict, timeout: float, log_path: str) -> tuple[int, str, 
     return rc, tail, time.perf_counter() - t0
 
 
-def read_jsonl(path: str) -> list:
-    return mlm.read_records(path)
-
-
 def csv_list(choices, allow_empty: bool = False):
     """An argparse type: a comma-separated list, each item one of ``choices``."""
     def parse(text: str) -> list:
@@ -339,7 +335,7 @@ class Checklist:
                                          "--metrics-file", metrics),
                              dict(self.env, **(env or {})), timeout,
                              os.path.join(self.logs, name + ".log"))
-        return {"rc": rc, "tail": tail, "seconds": secs, "records": read_jsonl(metrics)}
+        return {"rc": rc, "tail": tail, "seconds": secs, "records": mlm.read_records(metrics)}
 
     def assess(self, full: dict, resumed: dict, iters: int, expect_compressed: bool,
                drop: float) -> dict:
@@ -454,7 +450,7 @@ class Checklist:
                    PYTHONPATH=os.pathsep.join([where, self.env["PYTHONPATH"]]))
         rc, tail, secs = run(cmd, env, self.args.run_timeout,
                              os.path.join(self.logs, name + ".log"))
-        return {"rc": rc, "tail": tail, "seconds": secs, "records": read_jsonl(metrics)}
+        return {"rc": rc, "tail": tail, "seconds": secs, "records": mlm.read_records(metrics)}
 
     def check_plugin(self, mode: str, bf16_grads: bool):
         name = f"plugin-{mode}{'-bf16grads' if bf16_grads else ''}"
@@ -695,7 +691,9 @@ def main(argv=None) -> int:
                          "directory, ../shared/vendor/ that exists)")
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 on CPU too (on CUDA it always does)")
-    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="seconds a run may take (default 300 on CUDA, 1200 on CPU: the dry "
+                         "run on a shared 2-core machine)")
     ap.add_argument("--report", nargs="+", metavar="JSON", default=None,
                     help="only write BENCHMARKS.md's GPU section from these gpu_report.json")
     ap.add_argument("--sync-probe", metavar="JSON", help=argparse.SUPPRESS)
@@ -708,6 +706,8 @@ def main(argv=None) -> int:
     if args.sync_probe:
         return sync_probe(args.sync_probe, args.device)
     args.gpus = 0
+    if args.run_timeout is None:
+        args.run_timeout = 300.0 if args.device == "cuda" else 1200.0
     if args.device == "cuda":
         import torch
 
