@@ -5,6 +5,9 @@
 
 ``--inject-nan-at ITER`` writes a NaN into DP rank 1's first gradient of iteration ITER
 (0-based) just before the DP sync (a test of the non-finite guard).
+``--inject-nan-grad-at ITER``: the same, into DP rank 1's first parameter's gradient before
+``finalize_model_grads`` (so before a DP sync without --overlap-grad-reduce), in any
+``--edgc-mode``, off included (a test of the non-finite step guard).
 ``--count-host-syncs`` counts the host syncs (``tests/host_sync.py``) of the patched DP
 bucket-group sync and of the compressed pipeline sends and receives, per iteration, into
 each rank's result (``host_syncs``: ``(iteration, site, call, source line)``).
@@ -27,9 +30,11 @@ from megatron_edgc.training.launch import spawn_local  # noqa: E402
 
 def main() -> int:
     out_dir, argv = sys.argv[1], sys.argv[2:]
-    inject_at, count_syncs = None, False
+    inject_at, inject_grad_at, count_syncs = None, None, False
     if argv[:1] == ["--inject-nan-at"]:
         inject_at, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--inject-nan-grad-at"]:
+        inject_grad_at, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--count-host-syncs"]:
         count_syncs, argv = True, argv[1:]
     from megatron.core import parallel_state
@@ -54,6 +59,8 @@ def main() -> int:
             ddp.DPGradientCompression._start = poisoned_start
         try:
             trainer = Trainer(cfg)
+            if inject_grad_at is not None:
+                poison_grad_before_finalize(trainer, inject_grad_at)
             syncs = count_host_syncs(trainer) if count_syncs else []
             summary = trainer.run()
             params = {f"{i}.{name}": p.detach().clone()
@@ -102,6 +109,23 @@ def main() -> int:
             shutdown_worker()
 
     return spawn_local(target, cfg.parallel.world_size)
+
+
+def poison_grad_before_finalize(trainer, at: int) -> None:
+    """A NaN in DP rank 1's first gradient of iteration ``at`` (0-based), written before
+    the model config's ``finalize_model_grads_func`` (the DP sync) runs."""
+    from megatron.core import parallel_state
+
+    config = trainer.bundle.config
+    finalize = config.finalize_model_grads_func
+
+    def poisoned(*args, **kwargs):
+        if trainer.iteration == at and parallel_state.get_data_parallel_rank() == 1:
+            param = next(trainer.bundle.chunks[0].parameters())
+            param.main_grad.view(-1)[0] = float("nan")
+        return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = poisoned
 
 
 def count_host_syncs(trainer) -> list:

@@ -32,6 +32,7 @@ _SCHED = "megatron.core.pipeline_parallel.schedules"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _MP_CONFIG = "megatron.core.model_parallel_config"
 _PG_CONFIG = "megatron.core.process_groups_config"
+_OPT = "megatron.core.optimizer.optimizer"
 
 _P2P_OPS_PARAMS = ("tensor_send_prev", "tensor_recv_prev", "tensor_send_next",
                    "tensor_recv_next", "group", "prev_pipeline_rank", "next_pipeline_rank")
@@ -142,7 +143,7 @@ def any_of(*probes: Callable[[], None]) -> Callable[[], None]:
 
 @dataclass(frozen=True)
 class Feature:
-    patch: str                      # cpu, ddp, p2p, timing, trainer
+    patch: str                      # cpu, ddp, p2p, timing, guard, trainer
     what: str                       # what it is used for (documentation)
     probe: Callable[[], None]       # raises _Missing naming the absent piece
 
@@ -235,6 +236,16 @@ FEATURES = (
                                "pipeline_dtype", "microbatch_group_size_per_vp_stage")),
     # Stage timing (patches/timing.py): schedules call backward_step by name.
     Feature("timing", "micro-batch backward timed by wrapping it", _backward_step_by_name),
+    # The non-finite step guard (patches/nonfinite_step.py): each optimizer's step reaches
+    # the norm and the inner step through the instance, so the instance's wrappers see them.
+    Feature("guard", "optimizer steps calling the norm and step_with_ready_grads by name",
+            lambda: ([resolve(_OPT, f"MegatronOptimizer.{n}") for n in (
+                      "get_grad_norm", "clip_grad_norm", "step_with_ready_grads")],
+                     [looks_up(_OPT, f"{cls}.step", n)
+                      for cls in ("MixedPrecisionOptimizer", "FP32Optimizer")
+                      for n in ("clip_grad_norm", "step_with_ready_grads")],
+                     [looks_up(_OPT, "ChainedOptimizer.step", n)
+                      for n in ("get_grad_norm", "step_with_ready_grads")])),
     # The training loop's calls into megatron-core.
     Feature("trainer", "schedule selection and arguments",
             lambda: (resolve(_SCHED, "get_forward_backward_func"),

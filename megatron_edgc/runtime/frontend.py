@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_edgc.patches.nonfinite_step import NonFiniteStepGuard, install_nonfinite_guard
 from megatron_edgc.patches.timing import IntervalClock
 
 
@@ -47,6 +48,40 @@ def print_notes(cfg) -> None:
     """The start-up summary of what compresses (``cfg.compression_notes``), on rank 0."""
     for note in getattr(cfg, "compression_notes", None) or []:
         log_rank0(note)
+
+
+def guard_optimizer(optimizer, iteration) -> NonFiniteStepGuard:
+    """The non-finite step guard on ``optimizer`` (:mod:`megatron_edgc.patches.nonfinite_step`):
+    a step whose reduced gradient is not finite is skipped and counted, whatever the
+    precision and ``--edgc-mode`` (off too); rank 0 names each. ``iteration()``: the 1-based
+    number of the iteration being stepped."""
+    return install_nonfinite_guard(optimizer, iteration, log_rank0)
+
+
+class NonFiniteWeights(RuntimeError):
+    """The weights are not finite at the end of training or at a save (every rank raises
+    it: the finding is all-reduced)."""
+
+
+def check_weights_finite(chunks, when: str) -> None:
+    """Raise :class:`NonFiniteWeights` on every rank if any rank holds a non-finite
+    parameter. A collective over the job, with one read: at the end of training and
+    before a checkpoint, never per step."""
+    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    device = params[0].device if params else compute_device()
+    bad = torch.zeros(2, dtype=torch.float64, device=device)   # [any non-finite, its rank]
+    for p in params:
+        bad[0] += (~torch.isfinite(p)).any().to(torch.float64)
+    if dist.is_initialized():
+        mine = bad[0] > 0
+        bad[1] = torch.where(mine, -float(dist.get_rank()), -float("inf"))
+        bad[0] = mine.to(torch.float64)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    found, rank = bad.tolist()
+    if found > 0:
+        where = f" (first on rank {int(-rank)})" if dist.is_initialized() else ""
+        raise NonFiniteWeights(f"non-finite weights {when}{where}: the run's result is not "
+                               f"usable")
 
 
 def lr_at(scheduler, step: int, *, samples_per_step: int = 1,

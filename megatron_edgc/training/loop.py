@@ -30,8 +30,10 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
 from megatron_edgc.runtime import lost_ranks
-from megatron_edgc.runtime.frontend import (IterationRecords, compute_device,
-                                            is_logging_rank, log_rank0, lr_at, print_notes)
+from megatron_edgc.runtime.frontend import (IterationRecords, NonFiniteWeights,
+                                            check_weights_finite, compute_device,
+                                            guard_optimizer, is_logging_rank, log_rank0, lr_at,
+                                            print_notes)
 from megatron_edgc.runtime.step import EdgcRuntime
 from megatron_edgc.runtime.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
@@ -69,6 +71,8 @@ class Trainer:
                                             cfg.model.make_vocab_size_divisible_by,
                                             p.tensor_model_parallel_size)
         self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
+        # a step whose reduced gradient is not finite is skipped (any --edgc-mode, off too)
+        self.guard = guard_optimizer(self.bundle.optimizer, lambda: self.iteration + 1)
         self._wire_model_config()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size,
@@ -306,11 +310,13 @@ class Trainer:
                 if logs and self.is_logger:
                     print(format_progress_line(it, t.train_iters, history[-1]), flush=True)
                 if saves:
+                    check_weights_finite(self.bundle.chunks, f"at iteration {it}")
                     ckpt.save_checkpoint(ck.save, it, self.bundle, cfg)
                 if exits:
                     log_rank0(f"exiting at iteration {it} (--exit-interval)")
                     break
             last_saved = ck.save_interval and self.iteration % ck.save_interval == 0
+            check_weights_finite(self.bundle.chunks, f"at the end (iteration {self.iteration})")
             if ck.save and not last_saved:
                 ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
         finally:
@@ -331,6 +337,8 @@ def summarize(history: list, val_loss, wall_s: float, cfg) -> dict:
     ms = [r["iter_ms"] for r in steady]
     return {
         "iterations": history[-1]["iteration"] if history else 0,
+        # steps not taken: a non-finite gradient (the guard), an fp16 overflow (the scaler)
+        "skipped_iterations": sum(bool(r.get("skipped")) for r in history),
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": float(numpy.mean([r["loss"] for r in history[-10:]])) if history else None,
         "val_loss": val_loss,
@@ -379,6 +387,7 @@ def format_summary(s: dict) -> str:
     last_word = [format_last_word(s)] if s.get("last_word_n") is not None else []
     return ("summary | " + " | ".join([
         f"{s['layout']}", f"{s['iterations']} iterations",
+        f"{s.get('skipped_iterations', 0)} skipped",
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['final_loss'], '.4f')}",
         f"val loss {f(s['val_loss'], '.4f')}", f"val ppl {f(s['val_ppl'], '.2f')}",
         *last_word,
@@ -440,6 +449,11 @@ def worker_main(cfg, rank: int, world_size: int, local_rank: int) -> int:
         if not getattr(exc, "secondary", False):  # the failing rank says it, once
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteWeights as exc:   # every rank raises it (all-reduced): rank 0 says it
+        record_failure(rank, exc, reported=True)
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 3
     except BaseException as exc:
         lost_ranks.report(exc)   # first failing rank: names the lost ranks (torchrun)
         raise
