@@ -572,3 +572,59 @@ def test_the_bypass_refits_its_link_in_the_plug_in(megatron_lm, tmp_path):
     refits = sorted({int(m) for m in re.findall(
         r"iteration (\d+): bypass: link [0-9.e+-]+ -> [0-9.e+-]+ Gbit/s", out)})
     assert refits == [3, 5, 7], out[-3000:]
+
+
+#: The plug-in's fault injection: a NaN in DP rank 1's first gradient of (0-based) iteration
+#: EDGC_TEST_NAN_AT, written before Megatron-LM's finalize_model_grads (the DP sync); then
+#: the two-line copy runs as __main__.
+NAN_INJECTING_SCRIPT = """
+import os, runpy, sys
+from megatron.core import parallel_state
+from megatron.training import training
+from megatron.training.global_vars import get_args
+
+AT, original = int(os.environ["EDGC_TEST_NAN_AT"]), training.finalize_model_grads
+
+def finalize_model_grads(model, *args, **kwargs):
+    if get_args().curr_iteration == AT and parallel_state.get_data_parallel_rank() == 1:
+        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+    return original(model, *args, **kwargs)
+
+training.finalize_model_grads = finalize_model_grads
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("extra", [
+    ["--bf16", "--use-distributed-optimizer"],   # mode off: the guard protects any run
+    pytest.param(["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off"],
+                 marks=pytest.mark.extended)],
+    ids=["off-bf16-distopt", "static-fp32"])
+def test_a_nan_gradient_is_a_skipped_iteration(megatron_lm, tmp_path, extra):
+    """A NaN in DP rank 1's gradient at iteration 4 of 8: Megatron-LM's optimizer step is
+    skipped on every rank (its own ``number of skipped iterations`` counts it, once), rank 0
+    names it, the plug-in's summary counts it, every loss stays finite and the job exits 0
+    (its weights checked finite at the end). Megatron-LM's own check of each rank's
+    gradient before the DP collective (``--check-for-nan-in-loss-and-grad``, on by default:
+    it raises) is off, as it cannot see a non-finite *reduced* gradient (an overflow in the
+    reduction, a faulty compressed sync), which is what the guard is for."""
+    script = tmp_path / "pretrain_gpt_nan.py"
+    script.write_text(NAN_INJECTING_SCRIPT.format(script=megatron_lm[2]))
+    cmd, env, metrics = megatron_lm_command(
+        megatron_lm, str(script), extra + ["--no-check-for-nan-in-loss-and-grad"], tmp_path,
+        "nan")
+    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_NAN_AT": "3"}, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    skips = [int(n) for n in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
+    assert len(skips) == 8 and sum(skips) == 1 and skips[3] == 1, (skips, out[-4000:])
+    assert out.count("iteration 4: non-finite gradient (grad norm nan): step skipped, "
+                     "weights unchanged") == 1, out[-4000:]
+    assert "EDGC summary | 8 iterations | 1 skipped for a non-finite gradient (4)" in out
+    losses = lm_losses(out)
+    assert len(losses) >= 7 and all(v == v and abs(v) < 100 for v in losses.values()), losses
+    records = read_records(metrics)
+    if records:   # compression on: the plug-in's records say which iteration was skipped
+        assert [r["skipped"] for r in records] == [r["iteration"] == 4 for r in records]

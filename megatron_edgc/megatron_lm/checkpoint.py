@@ -52,9 +52,27 @@ class _QuietAboutOurSidecars(logging.Filter):
         return "Overwriting old incomplete" not in record.getMessage()
 
 
+def stop_if_weights_nonfinite(model, when: str) -> None:
+    """Every rank exits 3 (rank 0 saying why) if any rank holds a non-finite weight: a run
+    whose result is not finite does not exit 0, nor save it. A collective with one read
+    (at a save and at the last iteration only)."""
+    from megatron_edgc.runtime.frontend import NonFiniteWeights, check_weights_finite
+
+    try:
+        check_weights_finite(model, when)
+    except NonFiniteWeights as exc:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
 def wrap_save_checkpoint(original):
     @functools.wraps(original)
     def save_checkpoint(iteration, model, *rest, **kwargs):
+        if _state.guard is not None and not kwargs.get("non_persistent_ckpt", False):
+            stop_if_weights_nonfinite(model, f"at the save of iteration {iteration}")
         if _state.runtime is None or kwargs.get("non_persistent_ckpt", False):
             return original(iteration, model, *rest, **kwargs)
         import torch

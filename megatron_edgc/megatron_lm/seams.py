@@ -20,7 +20,8 @@ import inspect
 import sys
 
 from megatron_edgc.config import ConfigError, validate_edgc
-from megatron_edgc.megatron_lm.checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
+from megatron_edgc.megatron_lm.checkpoint import (stop_if_weights_nonfinite, wrap_load_checkpoint,
+                                                   wrap_save_checkpoint)
 from megatron_edgc.megatron_lm.flags import run_config
 from megatron_edgc.megatron_lm.state import state as _state
 from megatron_edgc.runtime.telemetry import expert_split, link_line, slow_hop
@@ -79,6 +80,7 @@ def _setup_model_and_optimizer(original):
     @functools.wraps(original)
     def setup_model_and_optimizer(*args, **kwargs):
         model, optimizer, scheduler = original(*args, **kwargs)
+        _guard(optimizer)   # any run of ours, --edgc-mode off too
         if _state.compression_on():
             _build_runtime(model, optimizer, scheduler)
             from megatron_edgc.runtime import lost_ranks
@@ -88,6 +90,44 @@ def _setup_model_and_optimizer(original):
             lost_ranks.watch(uncaught=True)
         return model, optimizer, scheduler
     return setup_model_and_optimizer
+
+
+def _guard(optimizer) -> None:
+    """The non-finite step guard on Megatron-LM's optimizer
+    (:mod:`megatron_edgc.patches.nonfinite_step`): a step whose reduced gradient is not
+    finite returns ``update_successful=False``, which ``train_step`` counts as a skipped
+    iteration (``skipped_iter``; its LR step is not taken)."""
+    from megatron.training.global_vars import get_args
+
+    from megatron_edgc.runtime.frontend import guard_optimizer
+
+    _state.guard = guard_optimizer(optimizer, lambda: get_args().curr_iteration + 1)
+    _state.first_iteration = None
+
+
+def _end_of_step(out, call: dict) -> None:
+    """After ``train_step`` (``call``: its arguments): at the last iteration, the weights
+    checked (a run whose weights are not finite does not exit 0) and the guard's count
+    said."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    iteration = call.get("iteration")
+    if iteration is None:
+        iteration = args.curr_iteration
+    if _state.first_iteration is None:
+        _state.first_iteration = iteration
+    if out[3] or iteration + 1 != args.train_iters:   # should_exit, or not the last
+        return
+    stop_if_weights_nonfinite(call["model"], f"at the end (iteration {iteration + 1})")
+    guard = _state.guard
+    if guard is not None:
+        from megatron_edgc.runtime.frontend import log_rank0
+
+        done = iteration + 1 - _state.first_iteration
+        which = f" ({', '.join(map(str, guard.skipped))})" if guard.skipped else ""
+        log_rank0(f"EDGC summary | {done} iterations | {len(guard.skipped)} skipped for a "
+                  f"non-finite gradient{which}")
 
 
 def _build_runtime(model, optimizer, scheduler) -> None:
@@ -150,6 +190,11 @@ def _train_step(original):
 
     @functools.wraps(original)
     def train_step(*args_, **kwargs):
+        out = edgc_step(*args_, **kwargs)
+        _end_of_step(out, signature.bind(*args_, **kwargs).arguments)
+        return out
+
+    def edgc_step(*args_, **kwargs):
         runtime = _state.runtime
         if runtime is None:
             return original(*args_, **kwargs)
@@ -315,5 +360,7 @@ def disable() -> None:
         _state.runtime.close()
     if _state.records is not None:
         _state.records.close()
-    _state.cfg = _state.runtime = _state.records = _state.stashed = None
+    if _state.guard is not None:
+        _state.guard.uninstall()
+    _state.cfg = _state.runtime = _state.records = _state.stashed = _state.guard = None
 

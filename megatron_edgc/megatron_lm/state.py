@@ -14,6 +14,8 @@ class PluginState:
         self.records = None                     # IterationRecords (JSONL, TensorBoard)
         self.stashed: Optional[tuple] = None    # (extensions, changed layout names) read at load
         self.originals: dict = {}               # (module, name) -> the wrapped function
+        self.guard = None                       # NonFiniteStepGuard on Megatron's optimizer
+        self.first_iteration: Optional[int] = None   # this process's first train_step
 
     def compression_on(self) -> bool:
         cfg = self.cfg
