@@ -201,6 +201,65 @@ def compressed_dp_step(compression, chunk, gen, nan_in=None):
     group.finish_grad_sync()
 
 
+
+def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
+        one_process_group):
+    """Issue 50: an orthonormal basis that came out NaN from a finite P (the H200's r 64
+    steps) left the warm start and the residual NaN for good, and the next steps' P
+    with them. Now the step is left non-finite (the optimizer's guard skips it) with the
+    compressor's state kept bit for bit, counted as a factor failure without a host
+    sync; after FALLBACK_AFTER_FAILURES such steps the bucket is sent dense, named once."""
+    chunk = fake_ddp_chunk()
+    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            compress_single_replica=True,
+                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    key = "chunk0.group0.bucket1"
+    comp = compression.compressors[key]
+    compression.set_iteration(0)
+    compression.prepare_iteration()
+    compressed_dp_step(compression, chunk, gen)                      # Q and E exist
+    failing = lambda p: torch.full_like(p, float("nan"))             # noqa: E731
+    for it in (1, 2):
+        state = [(g.residual.clone(), g.q.clone()) for g in comp.groups.values()]
+        compression.set_iteration(it)
+        compression.prepare_iteration()
+        assert key not in compression.dense_keys
+        comp.orthonormalize = failing
+        with HostSyncCounter() as syncs:
+            compressed_dp_step(compression, chunk, gen)
+        del comp.orthonormalize
+        assert syncs.calls == []
+        for (residual, q), g in zip(state, comp.groups.values()):
+            assert torch.equal(g.residual, residual) and torch.equal(g.q, q)
+        bucket = chunk.bucket_groups[0].buckets[1]
+        assert torch.isnan(bucket.params_list[0].main_grad).all()
+        assert torch.isfinite(chunk.bucket_groups[0].buckets[0].grad_data).all()
+        step = compression.stats.take()
+        step.resolve()
+        assert step.factor_failures == [key] and step.nonfinite_buckets == 1
+        assert step.events == [f"non-finite factors from finite gradients in {key}: "
+                               f"gradients left non-finite, error feedback untouched"]
+        compression.observe_failures([step], it + 1)
+        if it == 1:
+            assert compression.fallen_back == frozenset()
+    assert compression.fallen_back == {key}
+    assert step.events[-1] == (
+        f"{key}: compression made non-finite factors from finite gradients "
+        f"{ddp.FALLBACK_AFTER_FAILURES} times by iteration 3: sent dense (an all-reduce of "
+        f"the bucket, as megatron-core's) from iteration 4 on")
+    compression.set_iteration(3)
+    compression.prepare_iteration()
+    assert compression.dense_keys == {key}
+    comp.orthonormalize = failing   # not called: the bucket goes dense, its error with it
+    residual_sum = sum(float(g.residual.double().sum()) for g in comp.groups.values())
+    compressed_dp_step(compression, chunk, gen)
+    bucket = chunk.bucket_groups[0].buckets[1]
+    assert torch.isfinite(bucket.grad_data).all()
+    assert all(float(g.residual.abs().sum()) == 0 for g in comp.groups.values())
+    assert residual_sum != 0
+    assert compression.state_dict()["fallen_back"] == [key]
+
 def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
     chunk = fake_ddp_chunk()
     compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
@@ -220,8 +279,9 @@ def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
     compression.stats.resolve()
     key = "chunk0.group0.bucket1"
     assert compression.stats.nonfinite_buckets == 1
-    assert compression.stats.events == [f"non-finite gradient in {key}: left non-finite "
-                                        f"for the optimizer, error feedback untouched"]
+    assert compression.stats.events == [f"non-finite gradient in {key}: left non-finite, "
+                                        f"error feedback untouched"]
+    assert compression.stats.factor_failures == []
     for before, g in zip(residuals[key], compression.compressors[key].groups.values()):
         assert torch.equal(g.residual, before)
     bad, good = chunk.bucket_groups[0].buckets[1], chunk.bucket_groups[0].buckets[0]

@@ -71,7 +71,8 @@ from typing import Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout,  # noqa: F401
-                                               copy_dense_back, local_factor, split_factors)
+                                               copy_dense_back, factor_failure, local_factor,
+                                               split_factors)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import (FACTOR_DTYPES, FLOAT_BYTES,  # noqa: F401
                                                 is_compressible, matrix_shape, run_view,
@@ -176,6 +177,7 @@ class BucketCompressor(LowRankState):
                                                           transposed=not self.transposed)
             step.q_sent[key], sent = local_factor(q_local, self.factor_dtype)
             wire.append(sent.view(-1))
+        step.factor_failure = factor_failure(p_buf[:first.factors], list(step.p_hat.values()))
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
@@ -185,10 +187,13 @@ class BucketCompressor(LowRankState):
         ``torch.where`` into ``E``, one ``baddbmm`` for the result; no temporary of the
         gradients' size). Where some rank flagged a non-finite value the summed Q is NaN,
         so every decompressed gradient is NaN, and ``E`` and the warm start keep their
-        values from before the step, bit for bit."""
+        values from before the step, bit for bit; so too where the factors failed (a
+        finite P whose basis is not) or the summed Q is not finite (every rank sees both
+        alike: no collective decides them)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
-        bad = step.nonfinite
+        bad = step.nonfinite = step.nonfinite | step.factor_failure | \
+            torch.isfinite(q_buf).all().logical_not()
         shapes = [(len(g.indices), self._sides(g)[1], self._rank_for(g))
                   for g in self.groups.values()]
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               local_factor, split_factors)
+                                               factor_failure, local_factor, split_factors)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -228,6 +228,7 @@ class ShardCompressor(LowRankState):
         hats = [orthonormalize(p_full[index].view(-1, m, r)).reshape(-1)
                 for m, r, index in lay["batches"]]
         p_hat_all = torch.cat(hats) if hats else p_full[:0]
+        step.factor_failure = factor_failure(p_full, hats)
         wire = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)

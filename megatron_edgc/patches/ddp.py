@@ -42,6 +42,7 @@ from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.patches import features
 from megatron_edgc.patches.bucket_matrices import bucket_matrices, stacked_expert_shapes
 from megatron_edgc.patches.bypass_planner import BypassPlanner
+from megatron_edgc.patches.debug_dump import DebugDump
 from megatron_edgc.patches.dp_pipeline import BucketPipeline
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.dp_stats import DPSyncStats
@@ -57,6 +58,10 @@ from megatron_edgc.patches.timing import IntervalClock
 __all__ = ["DPGradientCompression", "DPSyncStats", "megatron_sync_bytes", "reduction_group"]
 
 logger = logging.getLogger(__name__)
+
+#: A bucket whose compression made non-finite factors from finite gradients this many
+#: times is sent dense (an all-reduce of the whole bucket, as megatron-core's) from then on.
+FALLBACK_AFTER_FAILURES = 2
 
 
 class _PendingSync:
@@ -93,7 +98,7 @@ class DPGradientCompression:
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
                  ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False,
-                 link_window: int = 0):
+                 link_window: int = 0, debug_dump: Optional[str] = None):
         features.require("ddp")
         # 0.16+: start/finish_grad_sync(force_all_reduce=False); 0.13-0.15: no argument
         self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
@@ -103,6 +108,7 @@ class DPGradientCompression:
         self.iteration = 0
         self.seed = seed
         self.stats = DPSyncStats()
+        self.debug_dump = DebugDump(debug_dump, dist.get_rank()) if debug_dump else None
         self.entropy_probe: Optional[Callable[[str, torch.Tensor], None]] = None
         self.sync_end_hook: Optional[Callable[[], None]] = None
         # buckets reduced over one replica: left to megatron-core unless validating
@@ -138,7 +144,9 @@ class DPGradientCompression:
         self.planner = BypassPlanner(self.plans, self.device, link,
                                      window=link_window if bypass == "auto" else 0)
         self._timed_links: dict = {}   # id(process group) -> link index, once measured
-        self.dense_keys: frozenset = frozenset()       # buckets the bypass sends dense
+        self.dense_keys: frozenset = frozenset()       # buckets sent dense this iteration
+        self.fallen_back: frozenset = frozenset()      # ... for good: their factors failed
+        self._factor_failures: dict = {}               # bucket key -> failures so far
         self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
 
     # ------------------------------------------------------------------ views
@@ -160,6 +168,8 @@ class DPGradientCompression:
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.stats.reset()
+        if self.debug_dump is not None:
+            self.debug_dump.iteration = iteration
 
     def prepare_iteration(self) -> None:
         """Before the schedule: the warm starts of a new rank (seeded here, never inside
@@ -171,7 +181,7 @@ class DPGradientCompression:
         for plan in self.plans.values():
             plan.compressor.prepare()
         if self.bypass != "auto":
-            self.dense_keys = frozenset()
+            self.dense_keys = self.fallen_back
             return
         first = not self.planner.links
         refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
@@ -189,7 +199,7 @@ class DPGradientCompression:
             self.stats.events.append(
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
-        self.dense_keys = frozenset(dense)
+        self.dense_keys = frozenset(dense) | self.fallen_back
 
     def _can_time_links(self) -> bool:
         """Whether the collectives can be stamped at completion without waiting: CPU
@@ -204,6 +214,32 @@ class DPGradientCompression:
         for step in steps:
             self.planner.observe(step.link_busy)
             step.link_busy = []
+
+    def observe_failures(self, steps: list, iteration: int) -> None:
+        """Count the factor failures of read steps (``DPSyncStats`` after ``resolve_all``,
+        the last of them iteration ``iteration``, 1-based), each bucket's the MAX over the
+        DP group (on the slow hop a failure is one shard's view); a bucket that reaches
+        :data:`FALLBACK_AFTER_FAILURES` is sent dense from the next iteration on, named in
+        one line. A collective on the DP group where the steps compressed: every member
+        reads the same steps at the same flush."""
+        if not steps or not any(s.compressed for s in steps):
+            return
+        keys = list(self.plans)
+        counts = torch.zeros(len(keys), device=self.device)
+        for step in steps:
+            for key in step.factor_failures:
+                counts[keys.index(key)] += 1
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for key, count in zip(keys, counts.tolist()):
+            if not count or key in self.fallen_back:
+                continue
+            total = self._factor_failures[key] = self._factor_failures.get(key, 0) + int(count)
+            if total >= FALLBACK_AFTER_FAILURES:
+                self.fallen_back |= {key}
+                steps[-1].events.append(
+                    f"{key}: compression made non-finite factors from finite gradients "
+                    f"{total} times by iteration {iteration}: sent dense (an all-reduce of "
+                    f"the bucket, as megatron-core's) from iteration {iteration + 1} on")
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -284,12 +320,13 @@ class DPGradientCompression:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank,
+        return {"rank": self.rank, "fallen_back": sorted(self.fallen_back),
                 "buckets": {k: p.compressor.state_dict() for k, p in self.plans.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             self.set_rank(state["rank"])
+        self.fallen_back = frozenset(state.get("fallen_back", ())) & frozenset(self.plans)
         for key, plan in self.plans.items():
             if key not in state["buckets"]:
                 logger.warning("no compressor state for %s in the checkpoint: starting fresh", key)
@@ -384,7 +421,8 @@ class DPGradientCompression:
                 stats.add_bytes(0, slow, reduction.expert, slow_hop=True)
                 if dense:
                     stats.bypassed_buckets += 1
-                pipeline.start(plan.key, reduction.expert, plan.strategy(dense))
+                pipeline.start(plan.key, reduction.expert,
+                               plan.strategy(dense, self.debug_dump, stats.events))
 
         def finish():
             with stream_context(stream):

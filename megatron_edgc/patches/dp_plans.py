@@ -6,6 +6,7 @@ instance's dense reduce-scatter, or dense (the bypass). Each strategy is a gener
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -95,16 +96,26 @@ class BucketPlan:
         yield Phase([all_reduce(data, r.process_group, slow_hop=r.slow_hop)])
         return None
 
-    def flat(self) -> Strategy:
+    def flat(self, dump=None, events: Optional[list] = None) -> Strategy:
         """PowerSGD over the group: ``[P | dense | flag]``, then ``[Q]``
-        (:class:`~megatron_edgc.compression.powersgd.BucketCompressor`)."""
+        (:class:`~megatron_edgc.compression.powersgd.BucketCompressor`); ``dump``, a
+        :class:`~megatron_edgc.patches.debug_dump.DebugDump`, captures the step (its
+        events into ``events``)."""
         comp, pg = self.compressor, self.reduction.process_group
-        bufs, step = comp.start(self.grads())
+        grads = self.grads()
+        capture = dump.begin(self, grads) if dump is not None else None
+        bufs, step = comp.start(grads)
         yield Phase([all_reduce(b, pg) for b in bufs])
+        if capture is not None:
+            capture.summed("p", bufs)
         bufs = comp.middle(step, bufs)
         yield Phase([all_reduce(b, pg) for b in bufs])
+        if capture is not None:
+            capture.summed("q", bufs)
         comp.finish(step, bufs)
-        return step.nonfinite
+        if capture is not None:
+            dump.end(capture, step.flags(), events)
+        return step.flags()
 
     def slow_hop(self) -> Strategy:
         """PowerSGD across instances on this rank's shard
@@ -128,9 +139,9 @@ class BucketPlan:
         bufs = comp.middle(step, gathered)
         yield Phase([all_reduce(b, r.process_group, slow_hop=True) for b in bufs])
         comp.finish(step, bufs)
-        return step.nonfinite
+        return step.flags()
 
-    def strategy(self, dense: bool) -> Strategy:
+    def strategy(self, dense: bool, dump=None, events: Optional[list] = None) -> Strategy:
         if dense:
             return self.dense()
-        return self.slow_hop() if self.reduction.slow_hop else self.flat()
+        return self.slow_hop() if self.reduction.slow_hop else self.flat(dump, events)

@@ -33,6 +33,8 @@ class DPSyncStats:
     comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
                              # time the stream waited for them)
     nonfinite_buckets: int = 0       # buckets some rank flagged NaN/Inf (left NaN, EF kept)
+    #: of those, the buckets whose factors failed from finite gradients (this rank's view)
+    factor_failures: list = field(default_factory=list)
     bypassed_buckets: int = 0        # sent dense by the bypass (compression would not pay)
     predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
     predicted_cost_s: float = 0.0    # their measured compress + decompress time
@@ -44,7 +46,7 @@ class DPSyncStats:
     link_busy: list = field(default_factory=list)
     clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
     _intervals: list = field(default_factory=list)  # (name, start stamp, end stamp)
-    _nonfinite: list = field(default_factory=list)  # (bucket key, bool [1] device tensor)
+    _nonfinite: list = field(default_factory=list)  # (bucket key, bool [2] device tensor)
     _link: list = field(default_factory=list)       # (link index, bytes, issue, completion)
 
     def reset(self) -> None:
@@ -56,7 +58,7 @@ class DPSyncStats:
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
         self.link_gbps = float("nan")
-        self.events, self.link_busy = [], []
+        self.events, self.link_busy, self.factor_failures = [], [], []
         self._intervals, self._nonfinite, self._link = [], [], []
 
     def add_bytes(self, sent: int, dense: int, expert: bool, slow_hop: bool = False) -> None:
@@ -84,9 +86,10 @@ class DPSyncStats:
         of one ``phase`` (issued together) are one transfer."""
         self._link.append((link, nbytes, issued, completed, phase))
 
-    def add_nonfinite_flag(self, key: str, flag: torch.Tensor) -> None:
-        """Bucket ``key``'s summed non-finite flag of this step (bool, on the device)."""
-        self._nonfinite.append((key, flag))
+    def add_nonfinite_flag(self, key: str, flags: torch.Tensor) -> None:
+        """Bucket ``key``'s flags of this step (bool ``[2]`` on the device: left
+        non-finite, and by its factors; :meth:`~megatron_edgc.compression.kernels.Step.flags`)."""
+        self._nonfinite.append((key, flags))
 
     def take(self) -> "DPSyncStats":
         """This step's telemetry, unread, as a copy; this object starts afresh (same clock)."""
@@ -112,12 +115,16 @@ class DPSyncStats:
             s._resolve_link()
         flagged = [(s, key, flag) for s in steps for key, flag in s._nonfinite]
         if flagged:
-            values = torch.cat([flag.view(-1) for _, _, flag in flagged]).tolist()
-            for (s, key, _), bad in zip(flagged, values):
-                if bad:
-                    s.nonfinite_buckets += 1
-                    s.events.append(f"non-finite gradient in {key}: left non-finite for the "
-                                    f"optimizer, error feedback untouched")
+            values = torch.stack([flag.view(2) for _, _, flag in flagged]).tolist()
+            for (s, key, _), (bad, factors) in zip(flagged, values):
+                if factors:
+                    s.factor_failures.append(key)
+                    s.events.append(f"non-finite factors from finite gradients in {key}: "
+                                    f"gradients left non-finite, error feedback untouched")
+                elif bad:
+                    s.events.append(f"non-finite gradient in {key}: left non-finite, "
+                                    f"error feedback untouched")
+                s.nonfinite_buckets += bool(bad)
         for s in steps:
             s._nonfinite = []
 

@@ -79,7 +79,7 @@ class EdgcRuntime:
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype],
                 compress_single_replica=e.compress_single_replica,
-                link_window=e.link_window)
+                link_window=e.link_window, debug_dump=e.debug_dump)
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
                 f"; compressing the slow hop only: each rank's shard across {instances} "
@@ -250,7 +250,9 @@ class EdgcRuntime:
                 step.pp.resolve()
         DPSyncStats.resolve_all([s.dp for s in steps if s.dp is not None], wait=False)
         if self.dp_compression is not None:
-            self.dp_compression.observe_link([s.dp for s in steps if s.dp is not None])
+            dp = [s.dp for s in steps if s.dp is not None]
+            self.dp_compression.observe_link(dp)
+            self.dp_compression.observe_failures(dp, steps[-1].iteration + 1)
         rows = torch.stack([self._row(s) for s in steps]).to(self.device)
         dist.all_reduce(rows)
         for step, row in zip(steps, rows.tolist()):
