@@ -3,7 +3,7 @@ null-space fill, deterministic and free of host syncs (EDGC §1's ``orth``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -85,7 +85,8 @@ def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shift: float) -> torch
     return torch.bmm(x, lower_inv.transpose(1, 2))
 
 
-def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None) -> torch.Tensor:
+def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
+                   trace: Optional[Callable[[str, torch.Tensor], None]] = None) -> torch.Tensor:
     """Orthonormal columns spanning ``p`` ([k, n, r] batched, or one [n, r]), in fp32.
 
     Batched shifted CholeskyQR3 (Fukaya et al., SISC 2020) with a null-space fill: no
@@ -110,7 +111,10 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None) -> torc
     Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
     matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
     Non-finite input gives non-finite output (the step's non-finite flag handles it).
+    ``trace(stage, x)``, when given, sees ``x`` after each of the four stages (a replay's
+    view: ``scripts/replay_step.py``).
     """
+    trace = trace or (lambda stage, x: None)
     squeeze = p.dim() == 2
     x = p.float().unsqueeze(0) if squeeze else p.float()
     k, n, r = x.shape
@@ -121,11 +125,15 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None) -> torc
         x = x / largest.clamp_min(torch.finfo(torch.float32).tiny)
         columns = torch.linalg.vector_norm(x, dim=1, keepdim=True)
         x = x / columns.clamp_min(1e-15)
+        trace("1. scaled, unit columns", x)
         eye = torch.eye(r, device=x.device, dtype=x.dtype)
         x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
         x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
+        trace("2. two shifted CholeskyQR passes", x)
         missing = eye - torch.bmm(x.transpose(1, 2), x)
         missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
         x = torch.baddbmm(x, fill.expand(k, n, r), missing)
+        trace("3. missing directions filled", x)
         x = _cholesky_qr_pass(x, eye, 0.0)
+        trace("4. unshifted CholeskyQR pass", x)
     return x.squeeze(0) if squeeze else x

@@ -148,6 +148,12 @@ class EdgcConfig:
                "expert-DP 1), which by default are left to megatron-core (nothing to send, "
                "nothing to approximate): exercises the compression path on one device",
         group="diagnostics")
+    debug_dump: Optional[str] = knob(
+        None, "debug: at the first iteration a compressed bucket is flagged non-finite, "
+              "write each flagged bucket's step (its gradients, residual, warm start, rank, "
+              "dtypes and summed factors) into this directory, one file per rank and "
+              "bucket, for scripts/replay_step.py; copies every compressed bucket's inputs "
+              "and reads its flags each step (slow)", group="diagnostics")
     entropy_reference: bool = knob(False, "benchmark: also estimate the entropy of the full "
                                           "gradient every iteration (JSONL entropy_full, "
                                           "entropy_full_ms); changes no decision",

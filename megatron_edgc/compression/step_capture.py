@@ -1,0 +1,100 @@
+"""One compressed bucket step, captured and replayed phase by phase (``--edgc-debug-dump``,
+``scripts/replay_step.py``; issue 50).
+
+A capture holds what a :class:`~megatron_edgc.compression.powersgd.BucketCompressor` step
+read — each shape group's gradients ``G`` (before the error feedback is added), residual
+``E``, warm start ``Q``, rank, dtypes — and the two summed factors it received from its
+collectives. From that one rank's capture, :func:`replay` reruns the step on any device
+with no collective, phase by phase, the orthonormalization stage by stage, so the first
+phase whose output is not finite can be named where the failure happened (a GPU) and
+compared with another device (the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_edgc.compression.kernels import split_factors
+from megatron_edgc.compression.orthonormal import orthonormalize
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+class StepCapture:
+    """The inputs of one step of ``comp`` over ``grads`` (copies, made before ``start``),
+    then the summed buffers of its two collectives (:meth:`summed`); :attr:`record` is
+    what :func:`replay` reads (CPU tensors)."""
+
+    def __init__(self, comp, grads: Sequence[torch.Tensor], **about):
+        self.comp = comp
+        self.record = dict(about, transposed=comp.transposed,
+                           factor_dtype=str(comp.factor_dtype), ef_dtype=str(comp.ef_dtype),
+                           groups=[])
+        for key, g in comp.groups.items():
+            self.record["groups"].append(dict(
+                key=key, names=list(g.names), n=g.n, m=g.m, rank=comp._rank_for(g),
+                grad=_copy(torch.stack([grads[i] for i in g.indices])),
+                residual=_copy(g.residual), q=_copy(g.q)))
+
+    def summed(self, phase: str, reduced: Sequence[torch.Tensor]) -> None:
+        """The summed buffers of ``phase`` (``"p"``: ``[P | dense | flag]``, ``"q"``:
+        ``[Q]``), split into each group's factor."""
+        first, second = self.comp.layouts()
+        layout = first if phase == "p" else second
+        buf, _, flag = layout.unpack([_copy(b) for b in reduced])
+        sides = [self.comp._sides(g) for g in self.comp.groups.values()]
+        shapes = [(len(g.indices), rows[0 if phase == "p" else 1], self.comp._rank_for(g))
+                  for g, rows in zip(self.comp.groups.values(), sides)]
+        for group, factor in zip(self.record["groups"], split_factors(buf[:layout.factors],
+                                                                      shapes)):
+            group[f"{phase}_sum"] = factor
+        if flag is not None:
+            self.record["flagged_by_a_rank"] = bool(flag.any())
+
+
+def replay(record: dict, device="cpu") -> list:
+    """``[(group key, phase, finite)]`` of every phase of the captured step rerun on
+    ``device``, in order: the inputs, ``M = G + E``, this rank's ``P``, the captured sum,
+    the orthonormalization's four stages, this rank's ``Q``, the captured sum, the residual
+    and the decompressed gradient (``M`` transposed where the compressor shares the
+    columns' side)."""
+    out = []
+    factor_dtype = _DTYPES[record["factor_dtype"]]
+    for g in record["groups"]:
+        def see(phase, x, key=g["key"]):
+            out.append((key, phase, bool(torch.isfinite(x).all())))
+
+        grad, residual, q = (g[name].to(device) for name in ("grad", "residual", "q"))
+        see("input: gradient G", grad)
+        see("input: residual E", residual)
+        see("input: warm start Q", q)
+        m = grad.float() + residual.float()
+        see("M = G + E", m)
+        if record["transposed"]:
+            m = m.transpose(1, 2)
+        p = torch.bmm(m, q.float())
+        see("P = M Q (this rank)", p)
+        see("P on the wire (factor dtype)", p.to(factor_dtype))
+        if "p_sum" not in g:
+            continue
+        p_sum = g["p_sum"].to(device).float()
+        see("P summed (captured)", p_sum)
+        p_hat = orthonormalize(p_sum,
+                               trace=lambda stage, x: see(f"orthonormalize {stage}", x))
+        q_local = torch.bmm(m.transpose(1, 2), p_hat)
+        see("Q = Mᵀ P^ (this rank)", q_local)
+        q_sent = q_local.to(factor_dtype).float()
+        see("M - P^ Qᵀ (the new residual)", torch.baddbmm(m, p_hat, q_sent.transpose(1, 2),
+                                                         alpha=-1))
+        if "q_sum" not in g:
+            continue
+        q_sum = g["q_sum"].to(device).float()
+        see("Q summed (captured)", q_sum)
+        see("P^ (ΣQ)ᵀ (the decompressed gradient)", torch.bmm(p_hat, q_sum.transpose(1, 2)))
+    return out

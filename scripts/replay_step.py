@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Rerun a captured compressed step phase by phase and name the first phase whose output
+is not finite (issue 50).
+
+    python scripts/replay_step.py DUMP [DUMP ...] [--device cpu|cuda]
+
+``DUMP``: a file ``--edgc-debug-dump`` wrote (``iter{I}-rank{R}-{bucket}.pt``), or its
+directory (every file in it). Each is one rank's step of one bucket: its inputs and the
+sums its collectives returned, so it replays alone, with no process group. The same dump
+replayed on the device that failed and on the CPU says whether the device is the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_edgc.compression.step_capture import replay  # noqa: E402
+
+
+def dumps(paths: list) -> list:
+    files = []
+    for path in paths:
+        files += sorted(glob.glob(os.path.join(path, "*.pt"))) if os.path.isdir(path) else [path]
+    return files
+
+
+def report(path: str, device: str) -> str:
+    """Prints the replay of one dump; returns its first non-finite phase ('' if none)."""
+    rec = torch.load(path, map_location="cpu", weights_only=True)
+    print(f"{path}: iteration {rec['iteration']}, rank {rec['rank']}, {rec['bucket']} "
+          f"({rec.get('cause', '?')}); {rec['factor_dtype']} factors, {rec['ef_dtype']} "
+          f"residual; replayed on {device}")
+    for g in rec["groups"]:
+        print(f"  {g['key']}: {len(g['names'])} x [{g['n']}, {g['m']}] at rank {g['rank']}, "
+              f"gradients {str(g['grad'].dtype).replace('torch.', '')}")
+    first, received = "", {}
+    for key, phase, finite in replay(rec, device):
+        print(f"  {'ok        ' if finite else 'NON-FINITE'}  {key}: {phase}")
+        if finite or first or key in received:   # after a non-finite sum the step received,
+            continue                 # what the group makes of it is not this device's doing
+        if "(captured)" in phase:
+            received[key] = f"{key}: {phase}"
+        else:
+            first = f"{key}: {phase}"
+    if first:
+        print(f"first non-finite phase: {first}")
+    else:
+        print(f"every phase finite on {device}: the failure did not reproduce here"
+              + (f" (non-finite only in what the step received: "
+                 f"{'; '.join(received.values())})" if received else ""))
+    return first
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dump", nargs="+", help="a file --edgc-debug-dump wrote, or its directory")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = ap.parse_args(argv)
+    files = dumps(args.dump)
+    if not files:
+        ap.error(f"no dump in {args.dump}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    for path in files:
+        report(path, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

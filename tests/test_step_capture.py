@@ -1,0 +1,87 @@
+"""--edgc-debug-dump and scripts/replay_step.py (issue 50): a step flagged non-finite is
+captured at the first such iteration and replayed phase by phase with no process group,
+naming the first phase whose output is not finite."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron_edgc.compression import orthonormal
+from megatron_edgc.patches import ddp
+from test_host_sync import HostSyncCounter, compressed_dp_step, fake_ddp_chunk  # noqa: F401
+from test_host_sync import one_process_group  # noqa: F401  (fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def replay_script():
+    spec = importlib.util.spec_from_file_location(
+        "replay_step", os.path.join(ROOT, "scripts", "replay_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cusolver_failing_everywhere(gram, eye, shift):
+    """Every factorization failed as cuSOLVER's do: a NaN factor (the rescue too)."""
+    return torch.full_like(gram, float("nan"))
+
+
+@pytest.mark.parametrize("fault", ["factorization", "gradient"])
+def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
+        one_process_group, tmp_path, monkeypatch, capsys, fault):
+    chunk = fake_ddp_chunk()
+    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            compress_single_replica=True,
+                                            min_compression_rate=2.0, start_iter=0, seed=0,
+                                            factor_dtype=torch.bfloat16,
+                                            debug_dump=str(tmp_path))
+    gen = torch.Generator().manual_seed(4)
+    events = []
+    for it in range(4):
+        compression.set_iteration(it)
+        compression.prepare_iteration()
+        with monkeypatch.context() as m:
+            if fault == "factorization" and it >= 2:
+                m.setattr(orthonormal, "_cholesky_factor", cusolver_failing_everywhere)
+            compressed_dp_step(compression, chunk, gen,
+                               nan_in=1 if fault == "gradient" and it >= 2 else None)
+        events += compression.stats.take().events
+    files = sorted(glob.glob(str(tmp_path / "*.pt")))
+    # iteration 3 (1-based) only: both buckets with the failed factorization, bucket 1
+    # with the NaN gradient; iteration 4 failed alike and wrote nothing
+    buckets = ["bucket0", "bucket1"] if fault == "factorization" else ["bucket1"]
+    assert [os.path.basename(f) for f in files] == \
+        [f"iter3-rank0-chunk0.group0.{b}.pt" for b in buckets]
+    cause = "non-finite factors from finite gradients" if fault == "factorization" else \
+        "non-finite gradient"
+    captured = [e for e in events if "step captured" in e]
+    assert captured == [f"chunk0.group0.{b} ({cause}): step captured in {f} "
+                        f"(python scripts/replay_step.py {f})" for b, f in zip(buckets, files)]
+    rec = torch.load(files[-1], weights_only=True)
+    assert rec["cause"] == cause and rec["factor_dtype"] == "torch.bfloat16"
+    assert {g["n"] for g in rec["groups"]} == {64, 48}
+    assert all("p_sum" in g and "q_sum" in g for g in rec["groups"])
+
+    replay = replay_script()
+    capsys.readouterr()
+    with monkeypatch.context() as m:   # the device as it was: the failure reproduces
+        if fault == "factorization":
+            m.setattr(orthonormal, "_cholesky_factor", cusolver_failing_everywhere)
+        assert replay.main([files[-1]]) == 0
+    out = capsys.readouterr().out
+    first = out.strip().splitlines()[-1]
+    group = rec["groups"][0]["key"]
+    if fault == "factorization":
+        assert first == (f"first non-finite phase: {group}: orthonormalize "
+                         f"2. two shifted CholeskyQR passes")
+        assert f"ok          {group}: orthonormalize 1. scaled, unit columns" in out
+        assert replay.main([str(tmp_path)]) == 0   # on the CPU as it is: no failure
+        out = capsys.readouterr().out
+        assert out.count("every phase finite on cpu: the failure did not reproduce here "
+                         "(non-finite only in what the step received: ") == 2, out
+    else:
+        assert first == f"first non-finite phase: {group}: input: gradient G"
