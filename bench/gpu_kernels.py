@@ -8,24 +8,30 @@ For each paper config (``configs/gpt2-2.5b-v100x32.yaml``, ``configs/gpt2-12.1b-
 it builds the gradient matrices of the largest (TP, PP) shard (stage 0, which holds the
 word embedding; ``bench/model.py:shard_matrices``) as one bucket and runs the real
 :class:`~megatron_edgc.compression.powersgd.BucketCompressor` on it as one DP rank (the
-collectives left out: this times the math only), at each rank and factor dtype:
+collectives left out: this times the math only), at each rank, factor dtype and gradient
+buffer dtype (``--grad-dtypes``: fp32, or bf16 as Megatron's ``--grad-reduce-in-bf16``
+gives, where the compressor forms ``M`` in fp32 slices and keeps ``G`` in the buffer):
 
 * ``start``: error feedback ``M = G + E`` and ``P = M Q`` (batched by shape), the non-finite flag;
 * ``middle``: the QR of ``P`` and ``Q = Mᵀ P̂``;
 * ``finish``: ``P̂ Qᵀ`` into the gradients and the error-feedback update;
 
-and, per shape group, the same kernels one by one (``ops``). Intervals are CUDA events on
-the current stream (read after a synchronize), the median of ``--repeats`` after
-``--warmup`` steps. It also measures the entropy sampler (GDS: gather of β of the shard's
-elements and the Gaussian estimate) and the memory of the error-feedback state (the
-residual and warm-start Q kept between steps) and the peak of one step.
+and, per shape group, the same kernels one by one (``ops``; fp32 buffers only). Intervals
+are CUDA events on the current stream (read after a synchronize), the median of
+``--repeats`` after ``--warmup`` steps. It also measures the entropy sampler (GDS: gather
+of β of the shard's elements and the Gaussian estimate) and the memory of the
+error-feedback state (the residual and warm-start Q kept between steps) and the peak of
+one step.
 
 Then the before/after of issue 33 (``--methods before after``): the step of before it
 (stacked copy of the gradients, ``torch.linalg.qr``) and today's, each phase (start,
 orthogonalization, middle, finish) against its floor (``bench/roofline.py``, with the
 device's copy and fp32 matmul rates measured in the same run), for fp32/bf16 factors and
-fp32/bf16 error feedback (``--ef-dtypes``), with the error-feedback state and the step's
-transient memory (``max_memory_allocated`` minus what stays between steps).
+fp32/bf16 error feedback (``--ef-dtypes``) and fp32/bf16 gradient buffers (the floor counts
+the buffer's bytes in its dtype; ``before`` ran on fp32 buffers and fp32 error feedback
+only), with the error-feedback state and the step's transient memory
+(``max_memory_allocated`` minus what stays between steps). Rows of JSONs from before
+``--grad-dtypes`` read as fp32 gradients.
 
 ``--scale k`` divides hidden and ffn sizes by ``k`` (CPU dry runs; the report says so).
 ``--report FILE.json`` writes the BENCHMARKS.md section from a JSON of a GPU run (the lent
@@ -91,11 +97,14 @@ def shard_shapes(cluster_key: str, scale: int) -> tuple[list, int, dict]:
     return mats, rest, layout
 
 
-def time_compressor(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup) -> dict:
+def time_compressor(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup,
+                    grad_dtype: str = "fp32") -> dict:
     """The three phases of one compressed step on one bucket holding every matrix (today's
-    step; ``middle`` includes the orthogonalization), and its memory."""
+    step; ``middle`` includes the orthogonalization), and its memory, with the gradients
+    in a ``grad_dtype`` buffer."""
     run = time_method("after", mats, rank, device, repeats=repeats, warmup=warmup,
-                      factor_dtype=FACTOR_DTYPES[factor_dtype])
+                      factor_dtype=FACTOR_DTYPES[factor_dtype],
+                      grad_dtype=FACTOR_DTYPES[grad_dtype])
     out = {"start": run["start"], "middle": run["middle"] + run["orth"],
            "finish": run["finish"], "total": run["step"], "total_min": run["step_min"],
            "total_max": run["step_max"], "ef_state_bytes": run["ef_state_bytes"],
@@ -135,28 +144,34 @@ def time_ops(mats, rank: int, factor_dtype: str, device, timer, repeats, warmup)
 
 
 def floor_rows(shapes, args, device, peaks) -> list:
-    """Before/after issue 33 per rank, factor dtype and error-feedback dtype, each phase
-    against its floor (``bench/step_phases.py``)."""
+    """Before/after issue 33 per rank, factor dtype, error-feedback dtype and gradient
+    buffer dtype, each phase against its floor (``bench/step_phases.py``); ``before`` only
+    with fp32 gradients and fp32 error feedback."""
     rows = []
     for dtype in args.dtypes:
         for rank in args.ranks:
-            for ef in args.ef_dtypes:
-                methods = [m for m in args.methods if m == "after" or ef == "fp32"]
-                if not methods:
-                    continue
-                r = compare(shapes, rank, device, peaks, repeats=args.repeats,
-                            warmup=args.warmup, factor_dtype=FACTOR_DTYPES[dtype],
-                            ef_dtype=FACTOR_DTYPES[ef], methods=methods)
-                for method, run in r["runs"].items():
-                    run.pop("groups", None)
-                    rows.append({"rank": rank, "factor_dtype": dtype, "ef_dtype": ef,
-                                 "method": method, **run, "floor_ms": r["floor_ms"],
-                                 "residual_bytes": r["residual_bytes"]})
-                    print(f"floor r{rank} {dtype} factors {ef} EF {method}: step "
-                          f"{run['step']:.2f} ms / floor {r['floor_ms']['step']:.2f} ms, "
-                          f"transient {run.get('transient_bytes', 0) / 2**20:.0f} MiB", flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            for grad in args.grad_dtypes:
+                for ef in args.ef_dtypes:
+                    methods = [m for m in args.methods
+                               if m == "after" or (ef == "fp32" and grad == "fp32")]
+                    if not methods:
+                        continue
+                    r = compare(shapes, rank, device, peaks, repeats=args.repeats,
+                                warmup=args.warmup, factor_dtype=FACTOR_DTYPES[dtype],
+                                ef_dtype=FACTOR_DTYPES[ef], grad_dtype=FACTOR_DTYPES[grad],
+                                methods=methods)
+                    for method, run in r["runs"].items():
+                        run.pop("groups", None)
+                        rows.append({"rank": rank, "factor_dtype": dtype, "grad_dtype": grad,
+                                     "ef_dtype": ef, "method": method, **run,
+                                     "floor_ms": r["floor_ms"],
+                                     "residual_bytes": r["residual_bytes"]})
+                        print(f"floor r{rank} {dtype} factors {grad} grads {ef} EF {method}: "
+                              f"step {run['step']:.2f} ms / floor {r['floor_ms']['step']:.2f} ms, "
+                              f"transient {run.get('transient_bytes', 0) / 2**20:.0f} MiB",
+                              flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     return rows
 
 
@@ -174,11 +189,12 @@ def time_entropy(mats, rest: int, device, timer, repeats, warmup,
 
 
 def render(report: dict, json_path: str) -> str:
-    """The BENCHMARKS.md body of a run's JSON: per config and factor dtype, the phases and
-    the QR alone (ms), the error-feedback memory, and the entropy sampler's cost."""
-    lines = ["| shard (config) | factors | rank | start | middle (QR) | finish | total ms "
-             "| wire / dense bytes | EF state MiB | step peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """The BENCHMARKS.md body of a run's JSON: per config, factor dtype and gradient
+    buffer dtype (rows without one: fp32), the phases and the QR alone (ms), the
+    error-feedback memory, and the entropy sampler's cost."""
+    lines = ["| shard (config) | factors | grad_dtype | rank | start | middle (QR) | finish "
+             "| total ms | wire / dense bytes | EF state MiB | step peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for key, entry in report["configs"].items():
         lay = entry["layout"]
@@ -189,14 +205,11 @@ def render(report: dict, json_path: str) -> str:
                 f" ({row['total_min']:.2f}–{row['total_max']:.2f})" if "total_min" in row else "")
             mem = (f"{row['ef_state_bytes'] / 2**20:.0f} | {row['step_peak_bytes'] / 2**20:.0f}"
                    if "ef_state_bytes" in row else "– | –")
+            middle = f"{row['middle']:.2f}" + ("" if qr is None else f" ({qr:.2f})")
             lines.append(
-                f"| {shard} | {row['factor_dtype']} | {row['rank']} | {row['start']:.2f} | "
-                f"{row['middle']:.2f} ({qr:.2f}) | {row['finish']:.2f} | {total} | "
-                f"{100 * row['wire_bytes'] / row['dense_bytes']:.2f} % | {mem} |"
-                if qr is not None else
-                f"| {shard} | {row['factor_dtype']} | {row['rank']} | {row['start']:.2f} | "
-                f"{row['middle']:.2f} | {row['finish']:.2f} | {total} | "
-                f"{100 * row['wire_bytes'] / row['dense_bytes']:.2f} % | {mem} |")
+                f"| {shard} | {row['factor_dtype']} | {row.get('grad_dtype', 'fp32')} | "
+                f"{row['rank']} | {row['start']:.2f} | {middle} | {row['finish']:.2f} | "
+                f"{total} | {100 * row['wire_bytes'] / row['dense_bytes']:.2f} % | {mem} |")
         ent = entry["entropy"]
         notes.append(f"* {key}: entropy sample (GDS, β = {ent['grad_sample_rate']}, one "
                      f"iteration in {round(1 / ent['iter_sample_rate'])}) "
@@ -211,8 +224,9 @@ def render(report: dict, json_path: str) -> str:
                                for p in PHASES)
             tr = row.get("transient_bytes")
             floor_lines.append(
-                f"| {key} | r{row['rank']} | {row['factor_dtype']} | {row['ef_dtype']} | "
-                f"{row['method']} | {cells} | **{row['step']:.2f}** / {fl['step']:.2f} "
+                f"| {key} | r{row['rank']} | {row['factor_dtype']} | "
+                f"{row.get('grad_dtype', 'fp32')} | {row['ef_dtype']} | {row['method']} | "
+                f"{cells} | **{row['step']:.2f}** / {fl['step']:.2f} "
                 f"(**{row['step'] / fl['step']:.1f}x**) | {row['ef_state_bytes'] / 2**20:.0f} | "
                 f"{'–' if tr is None else f'{tr / 2**20:.0f}'} |")
     if floor_lines:
@@ -221,11 +235,13 @@ def render(report: dict, json_path: str) -> str:
         notes.append(f"**The step against its floor (issue 33).** Copy "
                      f"{pk['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp32 matmul "
                      f"{pk['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, measured in the same "
-                     "run; floors from `bench/roofline.py`; cells: measured ms / floor ms.")
+                     "run; floors from `bench/roofline.py` (the gradient buffer's bytes in its "
+                     "dtype); cells: measured ms / floor ms.")
         notes.append("")
-        notes.append("| config | rank | factors | EF | step | start | orthogonalization | "
-                     "middle (without it) | finish | whole step | EF state MiB | transient MiB |")
-        notes.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        notes.append("| config | rank | factors | grad_dtype | EF | step | start | "
+                     "orthogonalization | middle (without it) | finish | whole step | "
+                     "EF state MiB | transient MiB |")
+        notes.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         notes.extend(floor_lines)
     scale = report.get("scale", 1)
     head = (f"Device **{report['device']}**, torch {report['torch']}, measured "
@@ -266,6 +282,10 @@ def main(argv=None) -> int:
                     help="steps of the floor table (none: skip it): before/after issue 33")
     ap.add_argument("--ef-dtypes", nargs="+", default=["fp32", "bf16"],
                     choices=list(FACTOR_DTYPES), help="error-feedback dtypes of 'after'")
+    ap.add_argument("--grad-dtypes", nargs="+", default=["fp32", "bf16"],
+                    choices=["fp32", "bf16"],
+                    help="gradient buffer dtypes (bf16: Megatron's --grad-reduce-in-bf16); "
+                         "'before' runs on fp32 only")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--report", metavar="JSON", default=None,
                     help="only write the BENCHMARKS.md section of an earlier run's JSON")
@@ -287,20 +307,22 @@ def main(argv=None) -> int:
                  "dense_rest": rest, "runs": []}
         for dtype in args.dtypes:
             for rank in args.ranks:
-                row = {"rank": rank, "factor_dtype": dtype,
-                       **time_compressor(mats, rank, dtype, device, timer, args.repeats,
-                                         args.warmup)}
-                if not args.no_ops:
-                    row["ops"] = time_ops(mats, rank, dtype, device, timer, args.repeats,
-                                          args.warmup)
-                entry["runs"].append(row)
-                print(f"{key} r{rank} {dtype}: start {row['start']:.2f} middle "
-                      f"{row['middle']:.2f} finish {row['finish']:.2f} = {row['total']:.2f} ms"
-                      + (f", EF state {row['ef_state_bytes'] / 2**20:.0f} MiB, step peak "
-                         f"{row['step_peak_bytes'] / 2**20:.0f} MiB"
-                         if "ef_state_bytes" in row else ""), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                for grad in args.grad_dtypes:
+                    row = {"rank": rank, "factor_dtype": dtype, "grad_dtype": grad,
+                           **time_compressor(mats, rank, dtype, device, timer, args.repeats,
+                                             args.warmup, grad_dtype=grad)}
+                    if not args.no_ops and grad == "fp32":  # the kernels on fp32 buffers
+                        row["ops"] = time_ops(mats, rank, dtype, device, timer, args.repeats,
+                                              args.warmup)
+                    entry["runs"].append(row)
+                    print(f"{key} r{rank} {dtype} {grad} grads: start {row['start']:.2f} "
+                          f"middle {row['middle']:.2f} finish {row['finish']:.2f} = "
+                          f"{row['total']:.2f} ms"
+                          + (f", EF state {row['ef_state_bytes'] / 2**20:.0f} MiB, step peak "
+                             f"{row['step_peak_bytes'] / 2**20:.0f} MiB"
+                             if "ef_state_bytes" in row else ""), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         if args.methods:
             peaks = report.setdefault("peaks", measure_peaks(device) if device.type == "cuda"
                                       else measure_peaks(device, 64, 1024, 2))

@@ -108,11 +108,14 @@ def load_kernels(path: str = KERNELS) -> dict:
         return json.load(fh)
 
 
-def kernel_s(kernels: dict, config_key: str, rank: int, factor_dtype: str = "fp32") -> float:
+def kernel_s(kernels: dict, config_key: str, rank: int, factor_dtype: str = "fp32",
+             grad_dtype: str = "fp32") -> float:
     """Seconds of one compressed step's math on the largest shard of ``config_key`` at
-    ``rank``: linear between the measured ranks, the nearest end's value outside them."""
+    ``rank`` (gradient buffers in ``grad_dtype``; rows without one are fp32): linear
+    between the measured ranks, the nearest end's value outside them."""
     pts = sorted((r["rank"], r["total"]) for r in kernels["configs"][config_key]["runs"]
-                 if r["factor_dtype"] == factor_dtype)
+                 if r["factor_dtype"] == factor_dtype
+                 and r.get("grad_dtype", "fp32") == grad_dtype)
     if rank <= pts[0][0]:
         return pts[0][1] / 1e3
     for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
@@ -139,10 +142,11 @@ def floor_kernels(kernels: dict, peaks: dict = H100_PEAKS) -> dict:
         groups = [(n, m, k) for n, m, k in entry["shapes"]]
         for run in entry["runs"]:
             fb = 2 if run["factor_dtype"] == "bf16" else 4
+            gb = 2 if run.get("grad_dtype", "fp32") == "bf16" else 4
             compressed = [(n, m, k) for n, m, k in groups
                           if is_compressible(n, m, run["rank"], 2.0)]
-            run["total"] = floor_ms(step_floor(compressed, run["rank"], factor_bytes=fb),
-                                    peaks)["step"]
+            run["total"] = floor_ms(step_floor(compressed, run["rank"], grad_bytes=gb,
+                                               factor_bytes=fb), peaks)["step"]
     return out
 
 

@@ -14,6 +14,14 @@ an ``e``-byte residual and ``f``-byte factors, the least any implementation of t
 * **finish**: read ``M``, write ``E`` and ``G`` (``g + e + g`` bytes per element), the
   residual ``M - P^ Q_iᵀ`` and ``P^ Qᵀ`` (``4 n m r`` flops).
 
+A gradient buffer narrower than fp32 (``g = 2``: bf16, ``--grad-reduce-in-bf16``) cannot
+hold ``M`` without rounding it, so it keeps ``G`` and each phase that reads ``M`` forms it
+again from ``G`` and ``E`` (``ErrorFeedback.blocks`` in
+``megatron_edgc/compression/kernels.py``): **start** reads ``G`` and ``E`` and writes no
+``M`` (``g + e``), **middle** reads ``G`` and ``E`` (``g + e``), **finish** reads ``G``
+and ``E`` and writes ``E`` and ``G`` (``g + e + e + g``); the flops are the same.
+(Keeping ``M`` in an fp32 copy instead costs as much at ``e = 4`` and more at ``e = 2``.)
+
 A phase's floor is ``max(bytes / copy rate, flops / matmul rate)``, with both rates
 measured on the machine in the same run: a large device copy (bytes read + written per
 second) and a large square matmul in the step's math dtype (fp32, TF32 off).
@@ -30,19 +38,23 @@ PHASES = ("start", "orth", "middle", "finish")
 
 def step_floor(groups, rank: int, grad_bytes: int = 4, ef_bytes: int = 4,
                factor_bytes: int = 4) -> dict:
-    """``{phase: {"bytes": .., "flops": ..}}`` for shape groups ``[(n, m, k), ...]``."""
+    """``{phase: {"bytes": .., "flops": ..}}`` for shape groups ``[(n, m, k), ...]``
+    (``grad_bytes`` < 4: ``M`` formed again from ``G`` and ``E`` by each phase)."""
+    in_buffer = grad_bytes >= 4                 # M = G + E held where G was
+    reads_m = grad_bytes if in_buffer else grad_bytes + ef_bytes
+    writes_m = grad_bytes if in_buffer else 0
     out = {phase: {"bytes": 0.0, "flops": 0.0} for phase in PHASES}
     for n, m, k in groups:
         r = min(rank, n, m)
         nm = n * m * k
-        out["start"]["bytes"] += nm * (2 * grad_bytes + ef_bytes) + k * (n + m) * r * 4 \
-            + k * n * r * factor_bytes
+        out["start"]["bytes"] += nm * (grad_bytes + ef_bytes + writes_m) \
+            + k * (n + m) * r * 4 + k * n * r * factor_bytes
         out["start"]["flops"] += 2 * nm * r
         out["orth"]["bytes"] += 2 * k * n * r * 4
         out["orth"]["flops"] += 4 * k * n * r * r
-        out["middle"]["bytes"] += nm * grad_bytes + k * (n + m) * r * 4
+        out["middle"]["bytes"] += nm * reads_m + k * (n + m) * r * 4
         out["middle"]["flops"] += 2 * nm * r
-        out["finish"]["bytes"] += nm * (2 * grad_bytes + ef_bytes) + 2 * k * (n + m) * r * 4
+        out["finish"]["bytes"] += nm * (reads_m + ef_bytes + grad_bytes) + 2 * k * (n + m) * r * 4
         out["finish"]["flops"] += 4 * nm * r
     return out
 

@@ -1,7 +1,8 @@
 """One compressed step, phase by phase, for the before/after of issue 33 (shared by
 ``bench/compression_math.py`` on CPU and ``bench/gpu_kernels.py`` on a GPU).
 
-The gradients are views of one flat fp32 buffer in the model's parameter order, as
+The gradients are views of one flat buffer (fp32, or bf16 as ``--grad-reduce-in-bf16``
+gives) in the model's parameter order, as
 megatron-core lays out a bucket (every layer alike, so each shape's matrices are equally
 spaced). ``after`` is :class:`~megatron_edgc.compression.powersgd.BucketCompressor`;
 ``before`` is :class:`bench.step_before.BeforeBucketCompressor` (stacked copy of the
@@ -43,10 +44,10 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def flat_grads(shapes, device) -> tuple[torch.Tensor, list]:
-    """Matrix views ``(n, m)`` of one flat buffer, in ``shapes``' order."""
+def flat_grads(shapes, device, dtype=torch.float32) -> tuple[torch.Tensor, list]:
+    """Matrix views ``(n, m)`` of one flat buffer of ``dtype``, in ``shapes``' order."""
     total = sum(n * m for n, m in shapes)
-    buf = torch.empty(total, device=device)
+    buf = torch.empty(total, device=device, dtype=dtype)
     views, off = [], 0
     for n, m in shapes:
         views.append(buf[off:off + n * m].view(n, m))
@@ -81,17 +82,21 @@ def _rss_mib(field: str) -> float:
 
 def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup: int,
                 factor_dtype=torch.float32, ef_dtype=torch.float32,
-                min_compression_rate: float = 2.0) -> dict:
+                grad_dtype=torch.float32, min_compression_rate: float = 2.0) -> dict:
     """Median ms of each phase (start, orth, middle without orth, finish) and the step,
     the step's spread, and memory: the error-feedback state and the step's transient
-    (peak minus what stays between steps; CUDA allocator, or peak RSS on Linux CPUs)."""
+    (peak minus what stays between steps; CUDA allocator, or peak RSS on Linux CPUs).
+    ``grad_dtype``: the gradient buffer's (bf16: the compressor's bf16-buffer path, ``M``
+    formed in fp32 slices); ``before`` only ran on fp32 buffers."""
+    if method == "before" and grad_dtype != torch.float32:
+        raise ValueError("the step before issue 33 takes fp32 gradient buffers only")
     cls, orth = METHODS[method]
     device = torch.device(device)
     entries = [(f"p{i}", s) for i, s in enumerate(shapes)]
     kwargs = {"ef_dtype": ef_dtype} if method == "after" else {}
     comp = cls(entries, rank, min_compression_rate=min_compression_rate, seed=0, device=device,
                factor_dtype=factor_dtype, **kwargs)
-    buf, grads = flat_grads(shapes, device)
+    buf, grads = flat_grads(shapes, device, grad_dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     source = torch.randn(buf.numel(), device=device, generator=gen)
     timer = Timer(device)
@@ -149,20 +154,23 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
 
 
 def compare(shapes, rank: int, device, peaks: dict, *, repeats: int, warmup: int,
-            factor_dtype=torch.float32, ef_dtype=torch.float32, methods=("before", "after"),
-            min_compression_rate: float = 2.0) -> dict:
-    """Before and after, alternating repetitions in one run, with the floor of each phase."""
+            factor_dtype=torch.float32, ef_dtype=torch.float32, grad_dtype=torch.float32,
+            methods=("before", "after"), min_compression_rate: float = 2.0) -> dict:
+    """Before and after, alternating repetitions in one run, with the floor of each phase
+    (the gradient buffer's bytes in ``grad_dtype``; ``before`` takes fp32 buffers only)."""
     runs = {}
     for method in methods:
         runs[method] = time_method(method, shapes, rank, device, repeats=repeats,
                                    warmup=warmup, factor_dtype=factor_dtype,
                                    ef_dtype=ef_dtype if method == "after" else torch.float32,
+                                   grad_dtype=grad_dtype,
                                    min_compression_rate=min_compression_rate)
     groups = runs[methods[-1]]["groups"]
     ef_bytes = torch.finfo(ef_dtype).bits // 8
     factor_bytes = torch.finfo(factor_dtype).bits // 8
-    floors = floor_ms(step_floor(groups, rank, ef_bytes=ef_bytes, factor_bytes=factor_bytes),
-                      peaks)
+    grad_bytes = torch.finfo(grad_dtype).bits // 8
+    floors = floor_ms(step_floor(groups, rank, grad_bytes=grad_bytes, ef_bytes=ef_bytes,
+                                 factor_bytes=factor_bytes), peaks)
     residual = sum(n * m * k for n, m, k in groups) * ef_bytes
     return {"runs": runs, "floor_ms": floors, "residual_bytes": residual,
             "matrices": sum(k for _, _, k in groups),

@@ -29,8 +29,9 @@ why); ``kernels`` last and alone (its times are not shared with other jobs):
    ``torch.cuda.set_sync_debug_mode("warn")``, each reported sync with the project frame
    it came from (on CPU there are none to report: the check says so);
 7. ``kernels``: ``bench/gpu_kernels.py`` (compress/decompress kernels of the paper
-   configs' TP-sharded shapes, ranks 16/32/64, fp32 and bf16 factors, entropy sampler
-   cost, error-feedback memory); on CPU shapes scaled by 1/16 at rank 16.
+   configs' TP-sharded shapes, ranks 16/64, fp32 and bf16 factors, fp32 and bf16
+   gradient buffers, entropy sampler cost, error-feedback memory); on CPU shapes scaled
+   by 1/16 at rank 16.
 
 Budget on one H100/H200 with ``--jobs 8``: about 5 minutes (the report has each check's
 seconds).
@@ -474,8 +475,8 @@ class Checklist:
 
     def check_kernels(self):
         out = os.path.join(self.out, "kernels.json")
-        flags = [] if self.cuda else ["--scale", "16", "--ranks", "16", "--repeats", "2",
-                                      "--warmup", "1"]
+        flags = (["--grad-dtypes", "fp32", "bf16", "--ranks", "16", "64"] if self.cuda
+                 else ["--scale", "16", "--ranks", "16", "--repeats", "2", "--warmup", "1"])
         rc, tail, secs = run(self.python("bench/gpu_kernels.py", "--device", self.args.device,
                                          "--out", out, *flags),
                              self.env, 600, os.path.join(self.logs, "kernels.log"))
