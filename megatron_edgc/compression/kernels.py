@@ -220,12 +220,14 @@ class ErrorFeedback:
         return [(lo, hi, run_view(mats[lo], hi - lo, step, g.n, g.m))
                 for lo, hi, step in g.runs]
 
-    @property
-    def temporaries(self) -> int:
+    def temporaries(self, device: torch.device) -> int:
         """fp32 temporaries the residual's dtype adds per slice (a cast copy, a result),
         counted twice: slices take half the workspace, the rest is the allocator's slack
-        (at a full workspace the peak crossed the bound in 1 run of 6)."""
-        return 0 if self.ef_dtype == torch.float32 else 4
+        (at a full workspace the peak crossed the bound in 1 run of 6). None for an fp32
+        residual, nor on CUDA, whose elementwise kernels cast a bf16 input as they read it
+        (CPU kernels cast it into a copy first): there a run is one slice, not a loop of
+        slices (the H200's bf16 finish ran at 5.2x its floor, against 2.7x in fp32)."""
+        return 0 if self.ef_dtype == torch.float32 or device.type == "cuda" else 4
 
     def slices(self, lo: int, hi: int, g: ShapeGroup, temporaries: int) -> list:
         """``[(lo, hi)]`` covering a run: the whole run when nothing needs an fp32
@@ -240,7 +242,7 @@ class ErrorFeedback:
         """``G += E`` in the fp32 runs; runs in another dtype keep ``G``."""
         for lo, hi, view in views:
             if view.dtype == torch.float32:
-                for a, b in self.slices(lo, hi, g, self.temporaries):
+                for a, b in self.slices(lo, hi, g, self.temporaries(view.device)):
                     view[a - lo:b - lo].add_(g.residual[a:b])
 
     def blocks(self, g: ShapeGroup, views: list):
@@ -253,7 +255,7 @@ class ErrorFeedback:
                 yield lo, hi, view, None
                 continue
             # two slices of M live at once (the caller holds one while the next forms)
-            for a, b in self.slices(lo, hi, g, 4 + self.temporaries):
+            for a, b in self.slices(lo, hi, g, 4 + self.temporaries(view.device)):
                 target = view[a - lo:b - lo]
                 m = target.float()
                 m.add_(g.residual[a:b])
@@ -277,18 +279,19 @@ class ErrorFeedback:
         gradients' dtype; ``result=None`` leaves it). ``energy``: returns ``Σ‖M‖²`` (float64,
         read before ``M`` becomes the residual)."""
         total = None
-        ef_temps = self.temporaries
         for lo, hi, m, target in self.blocks(g, views):
             if energy:
                 part = torch.linalg.vector_norm(m).double() ** 2
                 total = part if total is None else total + part
             m.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
-            for a, b in self.slices(lo, hi, g, ef_temps if target is None else 0):
+            temps = self.temporaries(m.device) if target is None else 0
+            for a, b in self.slices(lo, hi, g, temps):
                 if self.ef_dtype == torch.float32:
                     torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
-                else:
-                    g.residual[a:b].copy_(torch.where(bad, g.residual[a:b].float(),
-                                                      m[a - lo:b - lo]))
+                else:   # M, about to be overwritten, takes the selection: no fp32 copy
+                    new = m[a - lo:b - lo]
+                    torch.where(bad, g.residual[a:b], new, out=new)
+                    g.residual[a:b].copy_(new)
             if result is None:
                 continue
             m.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
