@@ -19,8 +19,9 @@ import torch
 from megatron_edgc.compression.powersgd import BucketCompressor, split_factors
 
 
-def householder_orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """The old orthonormalization: Householder reduced QR of ``p`` ([k, n, r]), fp32."""
+def householder_orthonormalize(p: torch.Tensor, stood_in=None) -> torch.Tensor:
+    """The old orthonormalization: Householder reduced QR of ``p`` ([k, n, r]), fp32 (no
+    factorization to fail: ``stood_in`` gets nothing)."""
     q, _ = torch.linalg.qr(p.float(), mode="reduced")
     return q
 

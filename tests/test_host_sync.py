@@ -219,7 +219,7 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
     compression.set_iteration(0)
     compression.prepare_iteration()
     compressed_dp_step(compression, chunk, gen)                      # Q and E exist
-    failing = lambda p: torch.full_like(p, float("nan"))             # noqa: E731
+    failing = lambda p, **kw: torch.full_like(p, float("nan"))       # noqa: E731
     for it in (1, 2):
         state = [(g.residual.clone(), g.q.clone()) for g in comp.groups.values()]
         compression.set_iteration(it)
@@ -245,7 +245,7 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
             assert compression.fallen_back == frozenset()
     assert compression.fallen_back == {key}
     assert step.events[-1] == (
-        f"{key}: compression made non-finite factors from finite gradients "
+        f"{key}: compression's factors failed from finite gradients "
         f"{ddp.FALLBACK_AFTER_FAILURES} times by iteration 3: sent dense (an all-reduce of "
         f"the bucket, as megatron-core's) from iteration 4 on")
     compression.set_iteration(3)
@@ -259,6 +259,59 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
     assert all(float(g.residual.abs().sum()) == 0 for g in comp.groups.values())
     assert residual_sum != 0
     assert compression.state_dict()["fallen_back"] == [key]
+
+
+def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):
+    """cuSOLVER's Cholesky failing (NaN factors, emulated) on finite gradients: a fixed
+    orthonormal basis stands in for the failed matrices, so the step's gradients are
+    finite and the error feedback keeps what that basis missed (conserved: E + Ĝ = M);
+    the failure is counted without a host sync."""
+    chunk = fake_ddp_chunk(n_buckets=1)
+    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
+                                            compress_single_replica=True,
+                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    key = "chunk0.group0.bucket0"
+    compression.set_iteration(0)
+    compressed_dp_step(compression, chunk, gen)                      # Q and E exist
+    comp, bucket = compression.compressors[key], chunk.bucket_groups[0].buckets[0]
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def cusolver_failing(a, **kw):
+        out = cholesky_ex(a, **kw)
+        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+
+    before = {k: g.residual.clone() for k, g in comp.groups.items()}
+    compression.set_iteration(1)
+    gen_state = gen.get_state()
+    grads = torch.randn(bucket.grad_data.shape, generator=gen)
+    gen.set_state(gen_state)
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", cusolver_failing)
+    with HostSyncCounter() as syncs:
+        compressed_dp_step(compression, chunk, gen)
+    monkeypatch.undo()
+    assert syncs.calls == []
+    assert torch.isfinite(bucket.grad_data).all()
+    for (k, g), entry in zip(comp.groups.items(), [comp.entries[g.indices[0]]
+                                                  for g in comp.groups.values()]):
+        m = torch.stack([grads[o:o + g.n * g.m].view(g.n, g.m) for o in
+                         [plan_offset for plan_offset in _offsets(comp, g)]]) + before[k]
+        got = torch.stack([bucket.grad_data[o:o + g.n * g.m].view(g.n, g.m)
+                           for o in _offsets(comp, g)])
+        assert torch.allclose(got + g.residual, m, atol=1e-5), k   # nothing lost
+    step = compression.stats.take()
+    step.resolve()
+    assert step.factor_failures == [key] and step.nonfinite_buckets == 0
+    assert step.events == [f"failed factorization from finite gradients in {key}: a fixed "
+                           f"basis stood in, the error feedback keeps what it missed"]
+
+
+def _offsets(comp, g):
+    """Offsets in the bucket's flat buffer of group ``g``'s matrices (fake_ddp_chunk's
+    layout: the parameters of SHAPES in order)."""
+    sizes = [torch.Size(shape).numel() for shape in SHAPES.values()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [starts[i] for i in g.indices]
 
 def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
     chunk = fake_ddp_chunk()

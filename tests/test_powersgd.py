@@ -682,10 +682,12 @@ def test_orthonormalize_survives_a_gram_that_rounding_left_indefinite(monkeypatc
 
 
 def test_a_failed_factorization_is_replaced_on_the_device(monkeypatch):
-    """Where a factorization fails all the same (cuSOLVER: NaN factor, info > 0), that
-    pass only scales the matrix's columns and the passes after it orthonormalize, matrix
-    by matrix, with no host sync and no second factorization: here the first pass's
-    factorization of matrix 0 is made to fail."""
+    """Where a factorization fails all the same (cuSOLVER: NaN factor, info > 0), a fixed
+    orthonormal basis stands in for that matrix, chosen on the device with no second
+    factorization and no host sync, and ``stood_in`` says which; the error feedback keeps
+    what the stand-in misses. Here the first pass's factorization of matrix 0 fails."""
+    from megatron_edgc.compression.orthonormal import orthonormal_stand_in
+
     cholesky_ex, calls = torch.linalg.cholesky_ex, []
 
     def first_fails(a, **kw):
@@ -697,9 +699,13 @@ def test_a_failed_factorization_is_replaced_on_the_device(monkeypatch):
         return out
 
     p = _one_dominant_direction(512, 32, seed=3)
+    stood_in = []
     monkeypatch.setattr(torch.linalg, "cholesky_ex", first_fails)
-    q = orthonormalize(p)
+    q = orthonormalize(p, stood_in=stood_in)
     monkeypatch.undo()
     assert [c[0] for c in calls] == [p.shape[0]] * 3   # one batched call per pass
-    _assert_orthonormal_basis_of(q, p, missed_at_most=1e-3)
+    assert stood_in[0].tolist() == [True, False]
+    assert torch.equal(q[0], orthonormal_stand_in(512, 32, "cpu"))
+    _assert_orthonormal_basis_of(q[:1], p[:1], missed_at_most=1.0)
+    _assert_orthonormal_basis_of(q[1:], p[1:], missed_at_most=1e-4)
     assert torch.equal(q[1], orthonormalize(p)[1])   # the other matrix as without failure

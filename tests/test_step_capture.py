@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from megatron_edgc.compression import orthonormal
 from megatron_edgc.patches import ddp
 from test_host_sync import HostSyncCounter, compressed_dp_step, fake_ddp_chunk  # noqa: F401
 from test_host_sync import one_process_group  # noqa: F401  (fixture)
@@ -25,9 +24,15 @@ def replay_script():
     return module
 
 
-def cusolver_failing_everywhere(gram, eye, shift):
-    """Every factorization failed as cuSOLVER's do: a NaN factor (the rescue too)."""
-    return torch.full_like(gram, float("nan"))
+def cusolver_failing_everywhere(monkeypatch):
+    """Every factorization fails as cuSOLVER's do: a NaN factor, info > 0."""
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def failing(a, **kw):
+        out = cholesky_ex(a, **kw)
+        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
 
 
 @pytest.mark.parametrize("fault", ["factorization", "gradient"])
@@ -46,7 +51,7 @@ def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
         compression.prepare_iteration()
         with monkeypatch.context() as m:
             if fault == "factorization" and it >= 2:
-                m.setattr(orthonormal, "_cholesky_factor", cusolver_failing_everywhere)
+                cusolver_failing_everywhere(m)
             compressed_dp_step(compression, chunk, gen,
                                nan_in=1 if fault == "gradient" and it >= 2 else None)
         events += compression.stats.take().events
@@ -56,8 +61,8 @@ def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
     buckets = ["bucket0", "bucket1"] if fault == "factorization" else ["bucket1"]
     assert [os.path.basename(f) for f in files] == \
         [f"iter3-rank0-chunk0.group0.{b}.pt" for b in buckets]
-    cause = "non-finite factors from finite gradients" if fault == "factorization" else \
-        "non-finite gradient"
+    cause = "a failed factorization, or non-finite factors, from finite gradients" \
+        if fault == "factorization" else "non-finite gradient"
     captured = [e for e in events if "step captured" in e]
     assert captured == [f"chunk0.group0.{b} ({cause}): step captured in {f} "
                         f"(python scripts/replay_step.py {f})" for b, f in zip(buckets, files)]
@@ -70,7 +75,7 @@ def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
     capsys.readouterr()
     with monkeypatch.context() as m:   # the device as it was: the failure reproduces
         if fault == "factorization":
-            m.setattr(orthonormal, "_cholesky_factor", cusolver_failing_everywhere)
+            cusolver_failing_everywhere(m)
         assert replay.main([files[-1]]) == 0
     out = capsys.readouterr().out
     first = out.strip().splitlines()[-1]
@@ -79,9 +84,11 @@ def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
         assert first == (f"first non-finite phase: {group}: orthonormalize "
                          f"2. two shifted CholeskyQR passes")
         assert f"ok          {group}: orthonormalize 1. scaled, unit columns" in out
+        assert f"ok          {group}: orthonormalize 5. a fixed basis where a " \
+            f"factorization failed" in out   # the stand-in: the step lost nothing
         assert replay.main([str(tmp_path)]) == 0   # on the CPU as it is: no failure
         out = capsys.readouterr().out
-        assert out.count("every phase finite on cpu: the failure did not reproduce here "
-                         "(non-finite only in what the step received: ") == 2, out
+        assert out.count("every phase finite on cpu: the failure did not reproduce here\n") \
+            == 2, out
     else:
         assert first == f"first non-finite phase: {group}: input: gradient G"

@@ -56,33 +56,34 @@ class _IeeeFp32Matmul:
             matmul.allow_tf32 = self.saved
 
 
-def _cholesky_factor(gram: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
-    """``L`` with ``LLᵀ = G + s‖G‖_F·I`` (``s = shift``, the norm at least 1) of each Gram
-    matrix, one batched ``cholesky_ex``. Where the factorization fails all the same
-    (rounding left the shifted Gram indefinite: cuSOLVER's potrf returns NaN there, LAPACK
-    finite garbage), the diagonal ``√diag(G + s‖G‖_F·I)`` stands in: that pass then only
-    scales the matrix's columns, and the passes after it orthonormalize. Chosen per matrix
-    on the device (no host sync); a second factorization as the stand-in quadrupled the
-    orthonormalization's time on the H200 (cuSOLVER factors a batch matrix by matrix)."""
-    shifted = gram + (shift * torch.linalg.matrix_norm(gram).clamp_min(1.0))[:, None, None] * eye
-    out = torch.linalg.cholesky_ex(shifted)
-    ok = (out.info == 0)[:, None, None] & torch.isfinite(out.L).all(dim=(1, 2), keepdim=True)
-    diagonal = torch.diag_embed(shifted.diagonal(dim1=1, dim2=2).clamp_min(1e-30).sqrt())
-    return torch.where(ok, out.L, diagonal)
-
-
 def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
-    """``x R⁻¹`` with ``RᵀR = xᵀx + s·I`` (:func:`_cholesky_factor`), batched: one Gram
-    ``bmm``, a batched Cholesky, ``R⁻¹`` from a triangular solve on ``[k, r, r]`` and one
-    ``bmm`` to apply it."""
+    """``x R⁻¹`` with ``RᵀR = xᵀx + s‖xᵀx‖_F·I`` (``s = shift``, the norm at least 1),
+    batched: one Gram ``bmm``, a batched Cholesky (no error check: no host sync), ``R⁻¹``
+    from a triangular solve on ``[k, r, r]`` and one ``bmm`` to apply it. Seven operators:
+    the orthonormalization is bound by their launches on a GPU, not by its flops."""
     gram = torch.bmm(x.transpose(1, 2), x)
-    lower = _cholesky_factor(gram, eye, shift)
+    if shift:
+        norm = torch.linalg.vector_norm(gram, dim=(1, 2), keepdim=True).clamp_min_(1.0)
+        gram = torch.addcmul(gram, norm, eye, value=shift)
+    lower = torch.linalg.cholesky_ex(gram).L
     lower_inv = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
     return torch.bmm(x, lower_inv.transpose(1, 2))
 
 
+def orthonormal_stand_in(n: int, r: int, device) -> torch.Tensor:
+    """A fixed orthonormal ``[n, r]`` (the fill, orthonormalized once per shape), the
+    basis of a matrix whose factorization failed."""
+    key = (n, r, str(device), "orthonormal")
+    basis = _FILLS.get(key)
+    if basis is None:
+        basis = _FILLS[key] = torch.linalg.qr(orthonormal_fill(n, r, "cpu").double())[0] \
+            .float().to(device)
+    return basis
+
+
 def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
-                   trace: Optional[Callable[[str, torch.Tensor], None]] = None) -> torch.Tensor:
+                   trace: Optional[Callable[[str, torch.Tensor], None]] = None,
+                   stood_in: Optional[list] = None) -> torch.Tensor:
     """Orthonormal columns spanning ``p`` ([k, n, r] batched, or one [n, r]), in fp32.
 
     Batched shifted CholeskyQR3 (Fukaya et al., SISC 2020) with a null-space fill: no
@@ -106,8 +107,14 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
 
     Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
     matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
+    5. where a factorization failed all the same (rounding left a shifted Gram indefinite:
+       cuSOLVER's Cholesky returns NaN there, LAPACK finite garbage; rare since the shift
+       follows the Gram's norm) the matrix's basis is a fixed orthonormal one
+       (:func:`orthonormal_stand_in`): the error feedback keeps what it misses. Chosen on
+       the device; ``stood_in``, when given, gets the bool ``[k]`` of those matrices.
+
     Non-finite input gives non-finite output (the step's non-finite flag handles it).
-    ``trace(stage, x)``, when given, sees ``x`` after each of the four stages (a replay's
+    ``trace(stage, x)``, when given, sees ``x`` after each of the five stages (a replay's
     view: ``scripts/replay_step.py``).
     """
     trace = trace or (lambda stage, x: None)
@@ -116,6 +123,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     k, n, r = x.shape
     if fill is None:
         fill = orthonormal_fill(n, r, x.device)
+    given = torch.isfinite(x).all(dim=(1, 2), keepdim=True)
     with _IeeeFp32Matmul():
         largest = x.abs().amax(dim=(1, 2), keepdim=True)
         x = x / largest.clamp_min(torch.finfo(torch.float32).tiny)
@@ -132,4 +140,9 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         trace("3. missing directions filled", x)
         x = _cholesky_qr_pass(x, eye, 0.0)
         trace("4. unshifted CholeskyQR pass", x)
+        failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
+        x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
+        trace("5. a fixed basis where a factorization failed", x)
+    if stood_in is not None:
+        stood_in.append(failed.view(-1))
     return x.squeeze(0) if squeeze else x

@@ -169,15 +169,16 @@ class BucketCompressor(LowRankState):
         keys = list(self.groups)
         shapes = [(len(g.indices), self._sides(g)[0], self._rank_for(g))
                   for g in self.groups.values()]
-        wire = []
+        wire, stood_in = [], []
         for key, p in zip(keys, split_factors(p_buf, shapes)):
             g = self.groups[key]
-            p_hat = step.p_hat[key] = self.orthonormalize(p)
+            p_hat = step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
             q_local = step.q_local[key] = self.ef.project(g, step.views[key], p_hat,
                                                           transposed=not self.transposed)
             step.q_sent[key], sent = local_factor(q_local, self.factor_dtype)
             wire.append(sent.view(-1))
-        step.factor_failure = factor_failure(p_buf[:first.factors], list(step.p_hat.values()))
+        step.factor_failure = factor_failure(p_buf[:first.factors], list(step.p_hat.values()),
+                                             stood_in)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
@@ -187,13 +188,11 @@ class BucketCompressor(LowRankState):
         ``torch.where`` into ``E``, one ``baddbmm`` for the result; no temporary of the
         gradients' size). Where some rank flagged a non-finite value the summed Q is NaN,
         so every decompressed gradient is NaN, and ``E`` and the warm start keep their
-        values from before the step, bit for bit; so too where the factors failed (a
-        finite P whose basis is not) or the summed Q is not finite (every rank sees both
-        alike: no collective decides them)."""
+        values from before the step, bit for bit; so too where the summed Q is not finite
+        (every rank sees it alike: no collective decides it)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
-        bad = step.nonfinite = step.nonfinite | step.factor_failure | \
-            torch.isfinite(q_buf).all().logical_not()
+        bad = step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
         shapes = [(len(g.indices), self._sides(g)[1], self._rank_for(g))
                   for g in self.groups.values()]
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):

@@ -225,10 +225,11 @@ class ShardCompressor(LowRankState):
         lay = self._layout()
         device = gathered[0].device if gathered else self.device
         p_full = gathered[0].float() if gathered else torch.empty(0, device=device)
-        hats = [orthonormalize(p_full[index].view(-1, m, r)).reshape(-1)
+        stood_in: list = []
+        hats = [orthonormalize(p_full[index].view(-1, m, r), stood_in=stood_in).reshape(-1)
                 for m, r, index in lay["batches"]]
         p_hat_all = torch.cat(hats) if hats else p_full[:0]
-        step.factor_failure = factor_failure(p_full, hats)
+        step.factor_failure = factor_failure(p_full, hats, stood_in)
         wire = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)

@@ -59,8 +59,9 @@ __all__ = ["DPGradientCompression", "DPSyncStats", "megatron_sync_bytes", "reduc
 
 logger = logging.getLogger(__name__)
 
-#: A bucket whose compression made non-finite factors from finite gradients this many
-#: times is sent dense (an all-reduce of the whole bucket, as megatron-core's) from then on.
+#: A bucket whose compression's factors failed from finite gradients (a factorization
+#: failed, or a factor came out non-finite) this many times is sent dense (an all-reduce
+#: of the whole bucket, as megatron-core's) from then on.
 FALLBACK_AFTER_FAILURES = 2
 
 
@@ -237,7 +238,7 @@ class DPGradientCompression:
             if total >= FALLBACK_AFTER_FAILURES:
                 self.fallen_back |= {key}
                 steps[-1].events.append(
-                    f"{key}: compression made non-finite factors from finite gradients "
+                    f"{key}: compression's factors failed from finite gradients "
                     f"{total} times by iteration {iteration}: sent dense (an all-reduce of "
                     f"the bucket, as megatron-core's) from iteration {iteration + 1} on")
 

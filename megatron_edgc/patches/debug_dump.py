@@ -40,12 +40,12 @@ class DebugDump:
         """After the step: reads its flags (a host sync) and writes the capture where one
         is set."""
         bad, factors = flags.tolist()
-        if not bad:
+        if not (bad or factors):
             return
         self.dumped_at = self.iteration
         rec = capture.record
-        rec["cause"] = "non-finite factors from finite gradients" if factors else \
-            "non-finite gradient"
+        rec["cause"] = "a failed factorization, or non-finite factors, from finite " \
+            "gradients" if factors else "non-finite gradient"
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory,
                             f"iter{rec['iteration']}-rank{self.rank}-{rec['bucket']}.pt")

@@ -119,6 +119,11 @@ class DPSyncStats:
             for (s, key, _), (bad, factors) in zip(flagged, values):
                 if factors:
                     s.factor_failures.append(key)
+                if factors and not bad:
+                    s.events.append(f"failed factorization from finite gradients in {key}: "
+                                    f"a fixed basis stood in, the error feedback keeps "
+                                    f"what it missed")
+                elif factors:
                     s.events.append(f"non-finite factors from finite gradients in {key}: "
                                     f"gradients left non-finite, error feedback untouched")
                 elif bad:
