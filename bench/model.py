@@ -15,11 +15,11 @@ latency per GPU for the DP ring, compute throughput), and predicts per iteration
 * iteration time: compute (``6 · params · tokens`` plus attention ``12 · L · h · s²`` per
   sequence, over the declared sustained FLOP/s) plus the 1F1B bubble plus the DP sync,
   which is exposed (no overlap assumed: the pessimistic case for dense);
-* compression math: the measured GPU kernels (``bench/results/gpu_kernels_h100.json``,
-  ``bench/gpu_kernels.py`` on an H100: the whole compressed step of the largest shard,
+* compression math: the measured GPU kernels (``bench/results/gpu_kernels_h200.json``,
+  ``bench/gpu_kernels.py`` on an H200, 2026-11-26: the whole compressed step of the largest shard,
   linear in rank between the measured 16/32/64, held at the nearest end outside) plus
   the entropy sampler's cost per iteration, added to the sync (exposed, not overlapped).
-  The V100 setup gets the H100's kernel times: a lower bound, V100 kernels are slower;
+  The V100 setup gets the H200's kernel times: a lower bound, V100 kernels are slower;
 * over a rank schedule (fractions of iterations at each rank, dense included) the means.
 
 The paper reports up to 46.45 % less communication latency and 16.13 % less training
@@ -41,7 +41,9 @@ sys.path.insert(0, ROOT)
 from megatron_edgc.compression.powersgd import is_compressible  # noqa: E402
 
 PAPER = {"comm_reduction": 0.4645, "time_reduction": 0.1613}
-KERNELS = os.path.join(ROOT, "bench", "results", "gpu_kernels_h100.json")
+#: Today's step measured on the H200 lent on 2026-11-26 (issue 50; the H100's of
+#: 2026-11-24, ``gpu_kernels_h100.json``, timed the step before issue 33).
+KERNELS = os.path.join(ROOT, "bench", "results", "gpu_kernels_h200.json")
 
 
 @dataclass
@@ -421,14 +423,15 @@ def interpretation(results: dict) -> str:
         "(H100) of the iteration, so even a 90 %+ cut in sync bytes moves iteration time by a "
         "few per cent: the paper's 16 % needs a DP link near the *35 %* column. The measured "
         f"kernels change the H100 picture: the compression math ({1e3 * h['mean_kernel_s']:.1f} "
-        "ms per iteration over the schedule, dominated by the batched QR) is of the order of "
+        "ms per iteration over the schedule: the batched CholeskyQR step, 3-4x its floor, "
+        "much of it kernel launches) is of the order of "
         f"the dense sync itself ({1e3 * h['dense_sync_s']:.1f} ms over 400 Gbit/s), so the sync "
         f"falls by {100 * h['comm_reduction_kernels']:.0f} % instead of "
         f"{100 * h['comm_reduction']:.0f} %, and compression pays only on DP links below "
         f"{h['pays_below_gbit']:.0f} Gbit/s per GPU. On the V100 cluster's 12.5 Gbit/s the "
         f"kernels ({1e3 * v['mean_kernel_s']:.1f} ms) are small next to a "
-        f"{v['dense_sync_s']:.2f} s sync. A cheaper orthogonalization (CholeskyQR instead of "
-        "the batched Householder QR) is the lever on fast links.")
+        f"{v['dense_sync_s']:.2f} s sync. Fewer launches (the floor rows) are the lever on "
+        "fast links.")
 
 
 def main() -> int:
@@ -448,8 +451,8 @@ def main() -> int:
              "factors) | pays below, vs bf16 reduce |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
-    variants = [("measured kernels of the step before issue 33, "
-                 f"{kernels['device']}, {kernels['date']}", kernels),
+    variants = [(f"measured kernels of the step, {kernels['device']}, {kernels['date']}",
+                 kernels),
                 ("the new step's roofline floor on the H100 (a bound, not a measurement)",
                  floor_kernels(kernels))]
     rows = [(key, cluster, label, k) for label, k in variants
@@ -478,7 +481,7 @@ def main() -> int:
             "α 10 µs. Measured: the compression math of one compressed step and the entropy "
             f"sampler (`{os.path.relpath(args.kernels, ROOT)}`, {kernels['device']}, "
             f"{kernels['date']}; section *GPU kernels*), added to the compressed sync; the "
-            "V100 row uses the H100's kernel times (a lower bound). Rank schedule (share of "
+            f"V100 row uses the {kernels['device']}'s kernel times (a lower bound). Rank schedule (share of "
             f"iterations): `{args.rank_schedule}`. The last two columns measure against "
             "the dense sync a user turns on first, Megatron's `--grad-reduce-in-bf16` (2 "
             "bytes per element), with EDGC's default bf16 factors (the dense rest fp32) and "
