@@ -189,6 +189,14 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+def compression_of(chunk, group, **settings):
+    """The DP compression of ``chunk`` at rank 4 from iteration 0, compressing its single
+    replica (the one-process group)."""
+    return ddp.DPGradientCompression([chunk], group, rank=4, compress_single_replica=True,
+                                     min_compression_rate=2.0, start_iter=0, seed=0,
+                                     **settings)
+
+
 def compressed_dp_step(compression, chunk, gen, nan_in=None):
     """Fill the gradients, then start and finish the group's sync as megatron-core would
     (start inside backward under overlap_grad_reduce, finish at the end)."""
@@ -210,9 +218,7 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
     compressor's state kept bit for bit, counted as a factor failure without a host
     sync; after FALLBACK_AFTER_FAILURES such steps the bucket is sent dense, named once."""
     chunk = fake_ddp_chunk()
-    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
-                                            compress_single_replica=True,
-                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    compression = compression_of(chunk, one_process_group)
     gen = torch.Generator().manual_seed(2)
     key = "chunk0.group0.bucket1"
     comp = compression.compressors[key]
@@ -264,41 +270,33 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
 def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):
     """cuSOLVER's Cholesky failing (NaN factors, emulated) on finite gradients: a fixed
     orthonormal basis stands in for the failed matrices, so the step's gradients are
-    finite and the error feedback keeps what that basis missed (conserved: E + Ĝ = M);
-    the failure is counted without a host sync."""
+    finite and the error feedback keeps what that basis missed (conserved: E + Ĝ = G +
+    E_before); the failure is counted without a host sync."""
+    from test_powersgd import cusolver_failing_everywhere
+
     chunk = fake_ddp_chunk(n_buckets=1)
-    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
-                                            compress_single_replica=True,
-                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    compression = compression_of(chunk, one_process_group)
     gen = torch.Generator().manual_seed(3)
     key = "chunk0.group0.bucket0"
     compression.set_iteration(0)
     compressed_dp_step(compression, chunk, gen)                      # Q and E exist
     comp, bucket = compression.compressors[key], chunk.bucket_groups[0].buckets[0]
-    cholesky_ex = torch.linalg.cholesky_ex
-
-    def cusolver_failing(a, **kw):
-        out = cholesky_ex(a, **kw)
-        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
-
-    before = {k: g.residual.clone() for k, g in comp.groups.items()}
+    before = [g.residual.clone() for g in comp.groups.values()]
     compression.set_iteration(1)
-    gen_state = gen.get_state()
+    state = gen.get_state()   # the gradients compressed_dp_step is about to draw
     grads = torch.randn(bucket.grad_data.shape, generator=gen)
-    gen.set_state(gen_state)
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", cusolver_failing)
+    gen.set_state(state)
+    cusolver_failing_everywhere(monkeypatch)
     with HostSyncCounter() as syncs:
         compressed_dp_step(compression, chunk, gen)
     monkeypatch.undo()
     assert syncs.calls == []
     assert torch.isfinite(bucket.grad_data).all()
-    for (k, g), entry in zip(comp.groups.items(), [comp.entries[g.indices[0]]
-                                                  for g in comp.groups.values()]):
-        m = torch.stack([grads[o:o + g.n * g.m].view(g.n, g.m) for o in
-                         [plan_offset for plan_offset in _offsets(comp, g)]]) + before[k]
-        got = torch.stack([bucket.grad_data[o:o + g.n * g.m].view(g.n, g.m)
-                           for o in _offsets(comp, g)])
-        assert torch.allclose(got + g.residual, m, atol=1e-5), k   # nothing lost
+    for g, residual in zip(comp.groups.values(), before):
+        rows = [_matrix(grads, g, i) + residual[j] for j, i in enumerate(g.indices)]
+        got = [_matrix(bucket.grad_data, g, i) for i in g.indices]
+        for j, (m, out) in enumerate(zip(rows, got)):
+            assert torch.allclose(out + g.residual[j], m, atol=1e-5)   # nothing lost
     step = compression.stats.take()
     step.resolve()
     assert step.factor_failures == [key] and step.nonfinite_buckets == 0
@@ -306,18 +304,17 @@ def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):
                            f"basis stood in, the error feedback keeps what it missed"]
 
 
-def _offsets(comp, g):
-    """Offsets in the bucket's flat buffer of group ``g``'s matrices (fake_ddp_chunk's
-    layout: the parameters of SHAPES in order)."""
+def _matrix(flat, g, i):
+    """Entry ``i`` (of shape group ``g``) in a bucket's flat buffer laid out as
+    fake_ddp_chunk's: the parameters of SHAPES in order."""
     sizes = [torch.Size(shape).numel() for shape in SHAPES.values()]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [starts[i] for i in g.indices]
+    start = sum(sizes[:i])
+    return flat[start:start + g.n * g.m].view(g.n, g.m)
+
 
 def test_the_patched_dp_sync_makes_no_host_sync(one_process_group):
     chunk = fake_ddp_chunk()
-    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
-                                            compress_single_replica=True,
-                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    compression = compression_of(chunk, one_process_group)
     gen = torch.Generator().manual_seed(1)
     compression.set_iteration(0)
     compressed_dp_step(compression, chunk, gen)                      # Q and E exist
@@ -417,9 +414,7 @@ def test_dp_sync_times_are_cuda_events_resolved_once_per_step(one_process_group,
     monkeypatch.setattr(dist, "all_reduce", slow_all_reduce)
 
     chunk = fake_ddp_chunk(n_buckets=2)
-    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
-                                            compress_single_replica=True,
-                                            min_compression_rate=2.0, start_iter=0, seed=0)
+    compression = compression_of(chunk, one_process_group)
     compression.stats.clock = IntervalClock(use_cuda=True)  # as on a GPU
     gen = torch.Generator().manual_seed(2)
     compression.set_iteration(0)

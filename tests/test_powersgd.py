@@ -648,6 +648,17 @@ class _DeviceLinalg:
         monkeypatch.setattr(torch.linalg, "cholesky_ex", cusolver_cholesky_ex)
 
 
+def cusolver_failing_everywhere(monkeypatch):
+    """Every Cholesky factorization fails as cuSOLVER's do: a NaN factor, info > 0."""
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def failing(a, **kw):
+        out = cholesky_ex(a, **kw)
+        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+
+
 def _one_dominant_direction(n, r, seed, noise=1e-4):
     """``P = M Q`` of a gradient with one dominant direction (early GPT-2 training, as the
     H200 run's r 64 steps measured here on CPU: the column-normalized Gram's largest

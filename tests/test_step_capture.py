@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_edgc.patches import ddp
-from test_host_sync import HostSyncCounter, compressed_dp_step, fake_ddp_chunk  # noqa: F401
+from test_powersgd import cusolver_failing_everywhere
+from test_host_sync import compressed_dp_step, compression_of, fake_ddp_chunk
 from test_host_sync import one_process_group  # noqa: F401  (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,26 +25,12 @@ def replay_script():
     return module
 
 
-def cusolver_failing_everywhere(monkeypatch):
-    """Every factorization fails as cuSOLVER's do: a NaN factor, info > 0."""
-    cholesky_ex = torch.linalg.cholesky_ex
-
-    def failing(a, **kw):
-        out = cholesky_ex(a, **kw)
-        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
-
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
-
-
 @pytest.mark.parametrize("fault", ["factorization", "gradient"])
 def test_the_first_flagged_step_is_captured_and_its_replay_names_the_phase(
         one_process_group, tmp_path, monkeypatch, capsys, fault):
     chunk = fake_ddp_chunk()
-    compression = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
-                                            compress_single_replica=True,
-                                            min_compression_rate=2.0, start_iter=0, seed=0,
-                                            factor_dtype=torch.bfloat16,
-                                            debug_dump=str(tmp_path))
+    compression = compression_of(chunk, one_process_group, factor_dtype=torch.bfloat16,
+                                 debug_dump=str(tmp_path))
     gen = torch.Generator().manual_seed(4)
     events = []
     for it in range(4):
