@@ -249,6 +249,12 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
         compression.observe_failures([step], it + 1)
         if it == 1:
             assert compression.fallen_back == frozenset()
+            compressed_dp_step(compression, chunk, gen)   # a step free of failures:
+            quiet = compression.stats.take()                 # the count starts again
+            quiet.resolve()
+            compression.observe_failures([quiet], it + 1)
+            assert compression._factor_failures == {}
+            compression.observe_failures([step], it + 1)
     assert compression.fallen_back == {key}
     assert step.events[-1] == (
         f"{key}: compression's factors failed from finite gradients "

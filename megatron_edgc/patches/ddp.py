@@ -59,9 +59,10 @@ __all__ = ["DPGradientCompression", "DPSyncStats", "megatron_sync_bytes", "reduc
 
 logger = logging.getLogger(__name__)
 
-#: A bucket whose compression's factors failed from finite gradients (a factorization
-#: failed, or a factor came out non-finite) this many times is sent dense (an all-reduce
-#: of the whole bucket, as megatron-core's) from then on.
+#: A bucket whose compression's factors keep failing from finite gradients (a
+#: factorization failed, or a factor came out non-finite) this many times, with no read of
+#: the flags free of failures between, is sent dense (an all-reduce of the whole bucket,
+#: as megatron-core's) from then on.
 FALLBACK_AFTER_FAILURES = 2
 
 
@@ -220,8 +221,8 @@ class DPGradientCompression:
         """Count the factor failures of read steps (``DPSyncStats`` after ``resolve_all``,
         the last of them iteration ``iteration``, 1-based), each bucket's the MAX over the
         DP group (on the slow hop a failure is one shard's view); a bucket that reaches
-        :data:`FALLBACK_AFTER_FAILURES` is sent dense from the next iteration on, named in
-        one line. A collective on the DP group where the steps compressed: every member
+        :data:`FALLBACK_AFTER_FAILURES` without a read free of failures between them is
+        sent dense from the next iteration on, named in one line. A collective on the DP group where the steps compressed: every member
         reads the same steps at the same flush."""
         if not steps or not any(s.compressed for s in steps):
             return
@@ -232,6 +233,8 @@ class DPGradientCompression:
                 counts[keys.index(key)] += 1
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
         for key, count in zip(keys, counts.tolist()):
+            if not count:   # a read without a failure: the bucket recovered
+                self._factor_failures.pop(key, None)
             if not count or key in self.fallen_back:
                 continue
             total = self._factor_failures[key] = self._factor_failures.get(key, 0) + int(count)
