@@ -185,6 +185,9 @@ def main() -> None:
             [((c - d).norm() / d.norm()).item() for c, d in zip(compressed, dense)])
         for c in comp.compressors.values():
             c.compress_all = False
+            for g in c.groups.values():   # nor from the full-rank sync: the low rank's own
+                if g.residual is not None:
+                    g.residual.zero_()
         before = [residual_in_bucket(k, b) for k, b in zip(keys, buckets)]
         low = [x[lo:hi] for x, (lo, hi) in zip(sync(LOW_RANK), parts)]
         after = [residual_in_bucket(k, b) for k, b in zip(keys, buckets)]

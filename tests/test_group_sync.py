@@ -53,9 +53,11 @@ def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_
             assert r["expert"] == [False, True]
             assert r["group_members"][1] in expert_members
             assert r["rank"] in r["group_members"][1]
-        # full rank, every matrix compressed: megatron-core's own reduction, to 1e-5
+        # full rank, every matrix compressed: megatron-core's own reduction, to 2e-5 (the
+        # directions of P below the orthonormalization's shift, which follows the Gram's
+        # norm since issue 50, are filled: 1.0e-5 measured on this bucket, 3.4e-6 before)
         for errors in r["full_rank_rel_err"]:
-            assert max(errors) < 1e-5, errors
+            assert max(errors) < 2e-5, errors
         # a low rank: bytes from the shapes, per group, and a real approximation
         shapes = r["bucket_shapes"]
         want = [bucket_bytes(s, LOW_RANK) for s in shapes]
@@ -143,7 +145,7 @@ def check_slow_hop(r: dict, inter_members: list) -> None:
     (shapes,), (offsets,), (shard,) = r["bucket_shapes"], r["bucket_offsets"], r["shard_ranges"]
     assert shard[1] - shard[0] == r["bucket_numel"][0] // 2
     for errors in r["full_rank_rel_err"]:
-        assert max(errors) < 1e-5, errors
+        assert max(errors) < 2e-5, errors   # as the flat buckets' (above)
     slow, fast = slow_hop_shard_bytes(shapes, offsets, shard, 2, LOW_RANK, factor_bytes=4)
     assert r["slow_hop_bytes"] == [slow] * 2
     # the instance's reduce-scatter stays dense (the whole bucket goes in); the P rows and

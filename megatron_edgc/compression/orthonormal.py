@@ -9,12 +9,14 @@ import torch
 
 from megatron_edgc.compression.matrices import seeded_gaussian
 
-#: The diagonal shift of the first two CholeskyQR passes, relative to the Gram matrix's
-#: Frobenius norm (at least 1). fp32 rounding perturbs a Gram in proportion to its norm,
-#: which nearly collinear columns raise to ~r: ``P`` of a gradient with one dominant
-#: direction, as early in training. An absolute 1e-5 was below that rounding at r 64: the
-#: shifted Gram lost positive definiteness and cuSOLVER's Cholesky gave NaN (issue 50).
+#: The diagonal shift of the first two CholeskyQR passes: at least GRAM_SHIFT (relative
+#: to a unit column), and at least GRAM_ROUNDING times the Gram matrix's Frobenius norm.
+#: fp32 rounding perturbs a Gram in proportion to its norm, which nearly collinear columns
+#: raise to ~r (``P`` of a gradient with one dominant direction, as early in training): on
+#: the H200 a Gram of norm 61.6 came out with an eigenvalue of -1.35e-5 (2.2e-7 of its
+#: norm), below the absolute 1e-5, and cuSOLVER's Cholesky gave NaN (issue 50).
 GRAM_SHIFT = 1e-5
+GRAM_ROUNDING = 1e-6
 #: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
 #: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
 ORTHOGONALITY_BOUND = 1e-5
@@ -56,15 +58,17 @@ class _IeeeFp32Matmul:
             matmul.allow_tf32 = self.saved
 
 
-def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shift: float) -> torch.Tensor:
-    """``x R⁻¹`` with ``RᵀR = xᵀx + s‖xᵀx‖_F·I`` (``s = shift``, the norm at least 1),
-    batched: one Gram ``bmm``, a batched Cholesky (no error check: no host sync), ``R⁻¹``
-    from a triangular solve on ``[k, r, r]`` and one ``bmm`` to apply it. Seven operators:
-    the orthonormalization is bound by their launches on a GPU, not by its flops."""
+def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """``x R⁻¹`` with ``RᵀR = xᵀx + s·I`` (``s = max(GRAM_SHIFT, GRAM_ROUNDING·‖xᵀx‖_F)``
+    where ``shifted``, else 0), batched: one Gram ``bmm``, a batched Cholesky (no error
+    check: no host sync), ``R⁻¹`` from a triangular solve on ``[k, r, r]`` and one ``bmm``
+    to apply it. Seven operators: on a GPU the orthonormalization is bound by their
+    launches, not by its flops."""
     gram = torch.bmm(x.transpose(1, 2), x)
-    if shift:
-        norm = torch.linalg.vector_norm(gram, dim=(1, 2), keepdim=True).clamp_min_(1.0)
-        gram = torch.addcmul(gram, norm, eye, value=shift)
+    if shifted:
+        norm = torch.linalg.vector_norm(gram, dim=(1, 2), keepdim=True)
+        gram = torch.addcmul(gram, norm.clamp_min_(GRAM_SHIFT / GRAM_ROUNDING), eye,
+                             value=GRAM_ROUNDING)
     lower = torch.linalg.cholesky_ex(gram).L
     lower_inv = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
     return torch.bmm(x, lower_inv.transpose(1, 2))
@@ -93,12 +97,13 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     1. each matrix is scaled by its largest element (no overflow in the norms), then each
        column to unit norm: a spectrum that decays from column to column (warm-started
        PowerSGD's ``P``) becomes well conditioned, and the span is unchanged;
-    2. two CholeskyQR passes with a diagonal shift ``s``, ``GRAM_SHIFT`` times the Gram's
-       norm (the Cholesky succeeds whatever the conditioning, and where rounding defeats
-       it all the same the pass only scales the columns: :func:`_cholesky_factor`): each maps a
+    2. two CholeskyQR passes with a diagonal shift ``s`` above the Gram's rounding
+       (``GRAM_SHIFT``, ``GRAM_ROUNDING``; the Cholesky succeeds whatever the
+       conditioning, and where rounding defeats it all the same, step 5): each maps a
        singular value ``σ`` to ``σ/√(σ²+s)``, so after two every direction of ``P`` above
-       ~1e-4 of its norm has singular value ≈ 1 and the directions ``P`` lacks (zero
-       columns, an all-zero ``P`` of a frozen weight, rank below ``r``) are near 0;
+       ~1e-5 of its norm (above ~1e-4 where its columns are nearly collinear) has singular
+       value ≈ 1 and the directions ``P`` lacks (zero columns, an all-zero ``P`` of a
+       frozen weight, rank below ``r``) are near 0;
     3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed Gaussian
        ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
        has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
@@ -131,14 +136,14 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         x = x / columns.clamp_min(1e-15)
         trace("1. scaled, unit columns", x)
         eye = torch.eye(r, device=x.device, dtype=x.dtype)
-        x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
-        x = _cholesky_qr_pass(x, eye, GRAM_SHIFT)
+        x = _cholesky_qr_pass(x, eye, True)
+        x = _cholesky_qr_pass(x, eye, True)
         trace("2. two shifted CholeskyQR passes", x)
         missing = eye - torch.bmm(x.transpose(1, 2), x)
         missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
         x = torch.baddbmm(x, fill.expand(k, n, r), missing)
         trace("3. missing directions filled", x)
-        x = _cholesky_qr_pass(x, eye, 0.0)
+        x = _cholesky_qr_pass(x, eye, False)
         trace("4. unshifted CholeskyQR pass", x)
         failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
         x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
