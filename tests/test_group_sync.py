@@ -54,7 +54,7 @@ def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_
             assert r["group_members"][1] in expert_members
             assert r["rank"] in r["group_members"][1]
         # full rank, every matrix compressed: megatron-core's own reduction, to 2e-5 (the
-        # directions of P below the orthonormalization's shift, which follows the Gram's
+        # directions of P below the orthonormalization's shift, which grows with the Gram's
         # norm since issue 50, are filled: 1.0e-5 measured on this bucket, 3.4e-6 before)
         for errors in r["full_rank_rel_err"]:
             assert max(errors) < 2e-5, errors

@@ -682,7 +682,7 @@ def test_orthonormalize_survives_a_gram_that_rounding_left_indefinite(monkeypatc
     """The cause of the H200's NaN at r 64 (issue 50): the first passes' shift was 1e-5
     absolute, below the fp32 rounding of a Gram whose norm nearly collinear columns raise
     to ~r. Emulated: a rounding of 3e-6 ‖G‖_F (2e-4 at ‖G‖_F = 64) made all 6 shifted
-    factorizations fail and the result NaN. The shift now follows the Gram's norm: none
+    factorizations fail and the result NaN. The shift now grows with the Gram's norm: none
     fails, and the basis is orthonormal and spans P."""
     p = _one_dominant_direction(1024, 64, seed=13)
     device = _DeviceLinalg(monkeypatch, rounding=3e-6)

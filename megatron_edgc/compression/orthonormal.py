@@ -114,7 +114,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
     5. where a factorization failed all the same (rounding left a shifted Gram indefinite:
        cuSOLVER's Cholesky returns NaN there, LAPACK finite garbage; rare since the shift
-       follows the Gram's norm) the matrix's basis is a fixed orthonormal one
+       grows with the Gram's norm) the matrix's basis is a fixed orthonormal one
        (:func:`orthonormal_stand_in`): the error feedback keeps what it misses. Chosen on
        the device; ``stood_in``, when given, gets the bool ``[k]`` of those matrices.
 
