@@ -8,6 +8,9 @@
 ``--inject-nan-grad-at ITER``: the same, into DP rank 1's first parameter's gradient before
 ``finalize_model_grads`` (so before a DP sync without --overlap-grad-reduce), in any
 ``--edgc-mode``, off included (a test of the non-finite step guard).
+``--fail-factorizations-at I,J,...``: every Cholesky factorization of iterations I, J
+(0-based) on every rank fails as cuSOLVER's do, with a NaN factor (a test of the
+orthonormalization's stand-in basis and the dense fallback).
 ``--count-host-syncs`` counts the host syncs (``tests/host_sync.py``) of the patched DP
 bucket-group sync and of the compressed pipeline sends and receives, per iteration, into
 each rank's result (``host_syncs``: ``(iteration, site, call, source line)``).
@@ -35,6 +38,9 @@ def main() -> int:
         inject_at, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--inject-nan-grad-at"]:
         inject_grad_at, argv = int(argv[1]), argv[2:]
+    fail_at = ()
+    if argv[:1] == ["--fail-factorizations-at"]:
+        fail_at, argv = {int(i) for i in argv[1].split(",")}, argv[2:]
     if argv[:1] == ["--count-host-syncs"]:
         count_syncs, argv = True, argv[1:]
     from megatron.core import parallel_state
@@ -61,6 +67,8 @@ def main() -> int:
             trainer = Trainer(cfg)
             if inject_grad_at is not None:
                 poison_grad_before_finalize(trainer, inject_grad_at)
+            if fail_at:
+                fail_factorizations(trainer, fail_at)
             syncs = count_host_syncs(trainer) if count_syncs else []
             summary = trainer.run()
             params = {f"{i}.{name}": p.detach().clone()
@@ -126,6 +134,20 @@ def poison_grad_before_finalize(trainer, at: int) -> None:
         return finalize(*args, **kwargs)
 
     config.finalize_model_grads_func = poisoned
+
+
+def fail_factorizations(trainer, iterations) -> None:
+    """Every ``torch.linalg.cholesky_ex`` of the given iterations (0-based) returns a NaN
+    factor and info > 0, as cuSOLVER's batched potrf does where a factorization fails."""
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def failing(a, **kwargs):
+        out = cholesky_ex(a, **kwargs)
+        if trainer.iteration in iterations:
+            return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+        return out
+
+    torch.linalg.cholesky_ex = failing
 
 
 def count_host_syncs(trainer) -> list:

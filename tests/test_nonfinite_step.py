@@ -92,3 +92,36 @@ def test_a_nan_gradient_is_skipped_once_and_the_run_ends_finite(precision, mode,
         if r["summary"]:
             assert r["summary"]["skipped_iterations"] == 1
     assert assert_dp_replicas_identical(results) > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_failed_factorizations_lose_no_step_and_send_the_bucket_dense(precision,
+                                                                      small_model_argv,
+                                                                      tmp_path):
+    """Every Cholesky factorization of iterations 3 and 4 fails as cuSOLVER's do (NaN
+    factors), static rank 4, PP 2 x DP 2: a fixed basis stands in, so no step is skipped
+    and every loss and weight stays finite; both failures are named, and the bucket
+    that kept failing is sent dense from the next read of the flags on; the DP replicas
+    stay bit-identical and the job exits 0."""
+    metrics = str(tmp_path / "m.jsonl")
+    argv = (["--fail-factorizations-at", "2,3"] + small_model_argv + LAYOUTS["tp1-pp2-dp2"]
+            + ["--train-iters", str(ITERS), "--eval-interval", str(ITERS), "--edgc-mode",
+               "static", "--edgc-rank", "4", "--log-interval", "2", "--metrics-file", metrics]
+            + (["--bf16"] if precision == "bf16" else []))
+    results = run_job(argv, str(tmp_path / "out"))      # exit 0 asserted there
+    records = read_jsonl(metrics)
+    assert not any(r["skipped"] for r in records)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    stdout = open(tmp_path / "out" / "stdout.txt").read()
+    for it in (3, 4):
+        assert f"iteration {it}: failed factorization from finite gradients in chunk0." \
+            in stdout, stdout[-3000:]
+    assert "compression's factors failed from finite gradients 2 times by iteration 4: " \
+        "sent dense (an all-reduce of the bucket, as megatron-core's) from iteration 5 on" \
+        in stdout, stdout[-3000:]
+    last = records[-1]
+    assert last["dp_bytes_sent"] == last["dp_bytes_dense"]    # the fallback: dense
+    assert records[1]["dp_bytes_sent"] < records[1]["dp_bytes_dense"]
+    for r in results:
+        assert all(torch.isfinite(t).all() for t in r["params"].values()), r["pp"]
+    assert assert_dp_replicas_identical(results) > 0
