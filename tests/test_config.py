@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megatron_edgc.config import ConfigError, parse_config
 
@@ -98,6 +99,10 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-link-window", "-1"], "--edgc-link-window", "[0, inf]", None),
     (["--last-word-examples", "-1"], "--last-word-examples", "[0, inf]", None),
     (["--num-experts", "1"], "--num-experts", "[2, inf]", None),
+    # NCCL without a GPU crashed in init_worker (an undefined device)
+    pytest.param(["--distributed-backend", "nccl"], "--distributed-backend",
+                 "nccl needs CUDA devices", None,
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA here")),
     (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
       "--expert-model-parallel-size", "2"], "--expert-model-parallel-size",
      "needs --num-experts", None),

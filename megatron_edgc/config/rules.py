@@ -119,6 +119,13 @@ def check_run_layout(cfg: "RunConfig") -> None:
     elif m.num_layers % pp:
         raise ConfigError("--num-layers", f"must be divisible by "
                                           f"--pipeline-model-parallel-size ({pp}); got {m.num_layers}")
+    if p.distributed_backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--distributed-backend", "nccl needs CUDA devices and this "
+                                                       "machine has none: use gloo (the "
+                                                       "default without CUDA)")
     ep = p.expert_model_parallel_size
     if ep > 1 and m.num_experts is None:
         raise ConfigError("--expert-model-parallel-size", f"splits MoE experts: needs "
