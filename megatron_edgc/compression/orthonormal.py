@@ -108,16 +108,15 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
        has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
        direction gets a unit vector, as Householder QR gives zero columns;
-    4. one unshifted CholeskyQR pass: orthogonal to ``ORTHOGONALITY_BOUND``.
-
-    Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
-    matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
+    4. one unshifted CholeskyQR pass: orthogonal to ``ORTHOGONALITY_BOUND``;
     5. where a factorization failed all the same (rounding left a shifted Gram indefinite:
        cuSOLVER's Cholesky returns NaN there, LAPACK finite garbage; rare since the shift
        grows with the Gram's norm) the matrix's basis is a fixed orthonormal one
        (:func:`orthonormal_stand_in`): the error feedback keeps what it misses. Chosen on
        the device; ``stood_in``, when given, gets the bool ``[k]`` of those matrices.
 
+    Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
+    matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
     Non-finite input gives non-finite output (the step's non-finite flag handles it).
     ``trace(stage, x)``, when given, sees ``x`` after each of the five stages (a replay's
     view: ``scripts/replay_step.py``).

@@ -222,15 +222,14 @@ class DPGradientCompression:
         the last of them iteration ``iteration``, 1-based), each bucket's the MAX over the
         DP group (on the slow hop a failure is one shard's view); a bucket that reaches
         :data:`FALLBACK_AFTER_FAILURES` without a read free of failures between them is
-        sent dense from the next iteration on, named in one line. A collective on the DP group where the steps compressed: every member
-        reads the same steps at the same flush."""
+        sent dense from the next iteration on, named in one line. A collective on the DP
+        group where the steps compressed: every member reads the same steps at the same
+        flush."""
         if not steps or not any(s.compressed for s in steps):
             return
         keys = list(self.plans)
-        counts = torch.zeros(len(keys), device=self.device)
-        for step in steps:
-            for key in step.factor_failures:
-                counts[keys.index(key)] += 1
+        counts = torch.tensor([float(sum(s.factor_failures.count(k) for s in steps))
+                               for k in keys], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
         for key, count in zip(keys, counts.tolist()):
             if not count:   # a read without a failure: the bucket recovered

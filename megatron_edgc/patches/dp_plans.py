@@ -113,9 +113,10 @@ class BucketPlan:
         if capture is not None:
             capture.summed("q", bufs)
         comp.finish(step, bufs)
+        flags = step.flags()
         if capture is not None:
-            dump.end(capture, step.flags(), events)
-        return step.flags()
+            dump.end(capture, flags, events)
+        return flags
 
     def slow_hop(self) -> Strategy:
         """PowerSGD across instances on this rank's shard
