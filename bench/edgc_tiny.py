@@ -131,7 +131,7 @@ def main() -> int:
         full, one, per_iter = estimator_costs(numel, edgc["grad_sample_rate"], every)
         cost_rows.append(f"| {numel:,} | {full:.2f} ms | {one:.2f} ms | {per_iter:.2f} ms | "
                          f"{100 * (1 - per_iter / full):.0f} % |")
-    body = f"""configs/tiny-cpu.yaml (TP1·PP2·DP2, 4 gloo processes), {args.train_iters} iterations per run, same data and seed. EDGC settings (the config's `edgc:` section): w = {window}, α = {edgc['iter_sample_rate']}, β = {edgc['grad_sample_rate']}, r_max = {r_max}, r_min = {r_min}, s = {edgc['rank_step']}, ε_H = {edgc['warmup_eps']}, K = {edgc['warmup_windows']}, warm-up cap {edgc['warmup_max_iters']}.
+    body = f"""configs/tiny-cpu.yaml (TP1·PP2·DP2, 4 gloo processes), {args.train_iters} iterations per run, same data and seed. EDGC settings (the config's `edgc:` section): w = {window}, α = {edgc['iter_sample_rate']}, β = {edgc['grad_sample_rate']}, r_max = {r_max}, r_min = {r_min}, s = {edgc['rank_step']}, ε_H = {edgc['warmup_eps']}, K = {edgc['warmup_windows']}, warm-up cap {edgc.get('warmup_max_iters') or str(edgc['warmup_max_fraction']) + ' of the run'}.
 
 **Entropy estimation (GDS)** — in the training run, mean per iteration: sampled (α, β) {sampled_ms:.2f} ms vs the full gradient every iteration {full_ms:.2f} ms: {100 * saving:.0f} % less (target ≥ 90 %; these are millisecond timings of 4 processes sharing 2 cores, noise-dominated). Measured apart, one quiet process, median of 15 (the tiny model's stage has 235,136 gradient elements per rank; larger buffers show where the sampling pays):
 

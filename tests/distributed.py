@@ -67,13 +67,13 @@ def assert_dp_replicas_identical(results):
     return compared
 
 
-def compressed_bucket_bytes(shapes, rank, factor_bytes: int = 2) -> int:
+def compressed_bucket_bytes(shapes, rank, factor_bytes: int = 2, dense_bytes: int = 4) -> int:
     """The DP bytes of one bucket of parameters ``shapes`` at ``rank`` (None: dense), from
     the shapes: (n+m)·r factor elements per compressed matrix at ``factor_bytes`` each (bf16,
-    the default: 2), the rest dense in fp32, and one flag: fp32, or with bf16 factors in
-    bf16 when the bucket has no dense rest (it then rides with P)."""
+    the default: 2), the rest dense at ``dense_bytes`` (the dense wire: fp32 by default),
+    and one flag, with the dense rest, or with P where the bucket has none."""
     if rank is None:
-        return 4 * sum(math.prod(s) for s in shapes)
+        return dense_bytes * sum(math.prod(s) for s in shapes)
     factors = dense = 0
     for shape in shapes:
         n, m = matrix_shape(shape)
@@ -81,8 +81,8 @@ def compressed_bucket_bytes(shapes, rank, factor_bytes: int = 2) -> int:
             factors += (n + m) * rank
         else:
             dense += math.prod(shape)
-    flag = 4 if dense or factor_bytes == 4 else factor_bytes
-    return factor_bytes * factors + 4 * dense + flag
+    flag = dense_bytes if dense else factor_bytes
+    return factor_bytes * factors + dense_bytes * dense + flag
 
 
 def slow_hop_shard_bytes(shapes, offsets, shard, instance_size: int, rank: int,

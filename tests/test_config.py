@@ -80,7 +80,7 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-grad-sample-rate", "2"], "--edgc-grad-sample-rate", "1.0", None),
     (["--edgc-rank-step", "0"], "--edgc-rank-step", "[1, inf]", None),
     (["--edgc-byte-budget", "0"], "--edgc-byte-budget", "(0.0, 1.0]", None),
-    (["--edgc-byte-budget", "1.5"], "--edgc-byte-budget", "[0.0, 1.0]", None),
+    (["--edgc-byte-budget", "1.5"], "--edgc-byte-budget", "(0.0, 1.0]", None),
     (["--edgc-controller", "accordion"], "--edgc-controller", "paper, budget", None),
     (["--edgc-mode", "edgc", "--edgc-budget-weight", "adam"], "--edgc-budget-weight",
      "needs --edgc-mode edgc --edgc-controller budget", None),
@@ -97,6 +97,9 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-bypass", "sometimes"], "--edgc-bypass", "must be one of auto, off", None),
     (["--edgc-link-gbps", "0"], "--edgc-link-gbps", "(0.0, inf]", None),
     (["--edgc-link-window", "-1"], "--edgc-link-window", "[0, inf]", None),
+    (["--edgc-warmup-max-fraction", "0"], "--edgc-warmup-max-fraction", "(0.0, 1.0]", None),
+    (["--edgc-warmup-max-fraction", "1.5"], "--edgc-warmup-max-fraction", "(0.0, 1.0]", None),
+    (["--edgc-dense-wire", "fp8"], "--edgc-dense-wire", "must be one of grad, bf16", None),
     (["--last-word-examples", "-1"], "--last-word-examples", "[0, inf]", None),
     (["--num-experts", "1"], "--num-experts", "[2, inf]", None),
     # NCCL without a GPU crashed in init_worker (an undefined device)
@@ -257,6 +260,20 @@ def test_validation_reads_no_file(small_model_argv, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_warmup_bound_follows_the_run(small_model_argv):
+    """Without --edgc-warmup-max-iters the warm-up ends by the first window end from 10 %
+    of --train-iters; the absolute cap wins where given; fraction 1 is the paper's rule
+    alone (no bound)."""
+    def cap(*extra):
+        cfg = parse_config(small_model_argv + ["--edgc-mode", "edgc", *extra])
+        return cfg.edgc.warmup_cap(cfg.training.train_iters)
+    assert cap("--train-iters", "200") == 20
+    assert cap("--train-iters", "1001") == 101
+    assert cap("--train-iters", "200", "--edgc-warmup-max-fraction", "0.25") == 50
+    assert cap("--train-iters", "200", "--edgc-warmup-max-iters", "80") == 80
+    assert cap("--train-iters", "200", "--edgc-warmup-max-fraction", "1") is None
+
+
 def test_edgc_flags_grouped_in_both_parsers():
     """--help lists EDGC's knobs as method, controller, diagnostics; the plug-in's parser
     has the same groups and flags (plus its own two, in diagnostics)."""
@@ -279,7 +296,7 @@ def test_edgc_flags_grouped_in_both_parsers():
     assert trainer["EDGC method"][:2] == ["--edgc-mode", "--edgc-rank"]
     assert plug_in == {**trainer, "EDGC diagnostics": trainer["EDGC diagnostics"]
                        + ["--edgc-metrics-file", "--edgc-allow-untested-megatron"]}
-    assert sum(map(len, trainer.values())) == len(keys) == 37
+    assert sum(map(len, trainer.values())) == len(keys) == 39
     help_text = build_arg_parser().format_help()
     assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
         help_text.index("EDGC diagnostics:")

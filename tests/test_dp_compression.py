@@ -13,10 +13,10 @@ from megatron_edgc.model_shapes import stage_param_shapes
 RANK = 4
 
 
-def expected_bytes(result: dict, rank: int, factor_bytes: int = 2) -> int:
+def expected_bytes(result: dict, rank: int, factor_bytes: int = 2, dense_bytes: int = 4) -> int:
     """From the shapes of each DP bucket of one rank's ``result``
     (:func:`distributed.compressed_bucket_bytes`)."""
-    return sum(compressed_bucket_bytes(shapes, rank, factor_bytes)
+    return sum(compressed_bucket_bytes(shapes, rank, factor_bytes, dense_bytes)
                for shapes in result["bucket_shapes"])
 
 
@@ -93,12 +93,47 @@ def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buff
     results, records = runs["static"]
     assert assert_dp_replicas_identical(results) > 0
     logger = next(r for r in results if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
-    assert all(rec["dp_bytes_sent"] == expected_bytes(logger, RANK) for rec in records)
+    # the dense rest travels as the buffers do, in bf16, with the factors: one collective
+    assert all(rec["dp_bytes_sent"] == expected_bytes(logger, RANK, dense_bytes=2)
+               for rec in records)
+    assert all(rec["dp_collectives"] == 2 * len(logger["bucket_shapes"]) for rec in records)
     assert all(rec["rank_dp"] == [RANK, RANK] for rec in records)
     dense_loss = runs["bf16-reduce"][1][-1]["val_loss"]
     assert records[-1]["val_loss"] < records[0]["loss"] - 1.0
     assert abs(records[-1]["val_loss"] - dense_loss) < 0.1, (records[-1]["val_loss"], dense_loss)
     assert "(bf16 gradients," in open(tmp_path / "static" / "stdout.txt").read()
+
+
+def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(small_model_argv,
+                                                                      tmp_path):
+    """``--edgc-dense-wire bf16`` on fp32 buffers: before compression starts (the warm-up's
+    place) each bucket is one bf16 all-reduce, half the bytes of megatron-core's fp32 one;
+    compressed, the dense rest joins the bf16 factors: 2 collectives per bucket instead
+    of 3, the bytes the shapes give; the replicas stay bit-identical and the loss within
+    0.05 of the fp32 wire's."""
+    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + [
+        "--train-iters", "10", "--edgc-mode", "static", "--edgc-rank", str(RANK),
+        "--edgc-start-iter", "4"]
+    runs = {}
+    for wire in ("grad", "bf16"):
+        metrics = str(tmp_path / f"{wire}.jsonl")
+        results = run_job(base + ["--edgc-dense-wire", wire, "--metrics-file", metrics],
+                          str(tmp_path / wire))
+        runs[wire] = (results, read_jsonl(metrics))
+    (res32, rec32), (res16, rec16) = runs["grad"], runs["bf16"]
+    assert assert_dp_replicas_identical(res16) > 0
+    logger = next(r for r in res16 if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
+    buckets = len(logger["bucket_shapes"])
+    for a, b in zip(rec32[:4], rec16[:4]):    # dense: megatron-core's, then ours in bf16
+        assert a["dp_collectives"] == b["dp_collectives"] == buckets
+        assert b["dp_bytes_sent"] * 2 == a["dp_bytes_sent"] == a["dp_bytes_dense"]
+        assert b["rank_dp"] is None
+    for a, b in zip(rec32[4:], rec16[4:]):    # compressed
+        assert (a["dp_collectives"], b["dp_collectives"]) == (3 * buckets, 2 * buckets)
+        assert a["dp_bytes_sent"] == expected_bytes(logger, RANK)
+        assert b["dp_bytes_sent"] == expected_bytes(logger, RANK, dense_bytes=2)
+    assert rec16[0]["loss"] == rec32[0]["loss"]
+    assert abs(rec16[-1]["loss"] - rec32[-1]["loss"]) < 0.05
 
 
 def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):

@@ -295,6 +295,49 @@ def test_bf16_factor_buffer_layouts(entries):
     assert all(torch.equal(a, b) for a, b in zip(dense_out, dense_sum))   # dense rest exact
 
 
+@pytest.mark.parametrize("factor_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_dense_wire_joins_the_factors_collective(factor_dtype):
+    """``dense_dtype=bf16`` (``--edgc-dense-wire bf16``): with bf16 factors the first phase
+    is one collective ``[P | dense | flag]`` in bf16 instead of two, its bytes the factors'
+    plus half the dense rest's; the compressed matrices come out as with an fp32 dense
+    wire, bit for bit, the dense rest as its bf16-rounded sum, replicas identical."""
+    entries = [("w", (64, 48)), ("v", (64, 48)), ("b", (1, 48)), ("c", (1, 16))]
+    world, r = 4, 4
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(*s, generator=gen) for _, s in entries] for _ in range(world)]
+    out = {}
+    for dense_dtype in (torch.float32, torch.bfloat16):
+        comps = [BucketCompressor(entries, r, seed=1, factor_dtype=factor_dtype,
+                                  dense_dtype=dense_dtype) for _ in range(world)]
+        gs = [[g.clone() for g in rank] for rank in grads]
+        bufs, _ = comps[0].start([g.clone() for g in gs[0]])
+        sent = simulated_step(comps, gs)
+        assert sent == sum(comps[0].collective_bytes())
+        assert all(torch.equal(a, b) for rank in gs[1:] for a, b in zip(gs[0], rank))
+        out[dense_dtype] = dict(buffers=len(bufs), dtypes=[b.dtype for b in bufs],
+                                sent=sent, grads=gs[0])
+    f32, b16 = out[torch.float32], out[torch.bfloat16]
+    p_numel, q_numel, dense = 2 * 64 * r, 2 * 48 * r, 48 + 16
+    fb = 2 if factor_dtype == torch.bfloat16 else 4
+    if factor_dtype == torch.bfloat16:
+        assert (f32["buffers"], b16["buffers"]) == (2, 1)        # one collective fewer
+        assert b16["dtypes"] == [torch.bfloat16]
+        assert b16["sent"] == fb * (p_numel + q_numel) + 2 * (dense + 1)
+    else:   # fp32 factors: the rest travels apart in bf16
+        assert (f32["buffers"], b16["buffers"]) == (1, 2)
+        assert b16["sent"] == fb * (p_numel + q_numel) + 2 * (dense + 1)
+    assert f32["sent"] == fb * (p_numel + q_numel) + 4 * (dense + 1)
+    for i, (_, shape) in enumerate(entries):
+        if shape[0] > 1:
+            assert torch.equal(f32["grads"][i], b16["grads"][i])
+        else:
+            true = sum(rank[i] for rank in grads)
+            assert torch.equal(f32["grads"][i], true)
+            # the simulated SUM adds in rank order in the wire dtype
+            assert torch.equal(b16["grads"][i], sum(rank[i].bfloat16() for rank in grads).float())
+            assert not torch.equal(b16["grads"][i], true)
+
+
 def test_bf16_overflow_is_flagged_non_finite():
     """A P element finite in fp32 but beyond bf16's range is caught after the cast: the
     step leaves NaN gradients and the fresh residual and warm start untouched."""

@@ -98,27 +98,31 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class WireLayout:
-    """The buffers of one phase: ``[factors | dense | flag]`` in fp32, or with
-    low-precision factors ``[factors]`` (factor dtype) and ``[dense | flag]`` (fp32),
-    either absent when empty (the flag then rides with the factors: it sums exactly in
-    bf16 up to 256). ``flag=False``: no flag slot (the flat step's ``Q`` phase)."""
+    """The buffers of one phase: ``[factors | dense | flag]`` in one collective where the
+    factors and the dense rest travel in one dtype, else ``[factors]`` (factor dtype) and
+    ``[dense | flag]`` (dense dtype), either absent when empty (the flag then rides with
+    the factors: it sums exactly in bf16 up to 256, and stays above 0 beyond). ``flag=False``:
+    no flag slot (the flat step's ``Q`` phase)."""
 
     factors: int
     dense: int
     factor_dtype: torch.dtype
     flag: bool = True
+    dense_dtype: torch.dtype = torch.float32
+
+    @property
+    def _one_buffer(self) -> bool:
+        return self.factor_dtype == self.dense_dtype or not self.dense
 
     def buffers(self) -> list:
         """``[(numel, dtype)]`` of each buffer, in the order :meth:`pack` returns them."""
         f = int(self.flag)
-        if self.factor_dtype == torch.float32:
+        if self._one_buffer:
             total = self.factors + self.dense + f
-            return [(total, torch.float32)] if total else []
-        if not self.dense:
-            total = self.factors + f
-            return [(total, self.factor_dtype)] if total else []
+            dtype = self.factor_dtype if self.factors or not self.dense else self.dense_dtype
+            return [(total, dtype)] if total else []
         return ([(self.factors, self.factor_dtype)] if self.factors else []) + \
-            [(self.dense + f, torch.float32)]
+            [(self.dense + f, self.dense_dtype)]
 
     def bytes(self) -> list:
         """Bytes of each collective of the phase (what :meth:`pack` puts on the wire)."""
@@ -127,16 +131,17 @@ class WireLayout:
     def pack(self, factor_parts: list, dense_parts: list, device,
              also_nonfinite: Optional[torch.Tensor] = None) -> list:
         """The phase's buffers from flat parts; the flag is 1 where a payload (after the
-        cast to the factor dtype, which may overflow) is non-finite, or where
+        cast to its wire dtype, which may overflow) is non-finite, or where
         ``also_nonfinite`` is set. Decided on the device."""
         factor_parts = [part.to(self.factor_dtype) for part in factor_parts]
         if not self.flag:
             return [torch.cat(factor_parts)] if self.factors else []
-        flag = torch.zeros(1, device=device)
-        if self.factor_dtype == torch.float32:
-            bufs = [torch.cat(factor_parts + dense_parts + [flag])]
-        elif not self.dense:
-            bufs = [torch.cat(factor_parts + [flag.to(self.factor_dtype)])]
+        shapes = self.buffers()
+        flag = torch.zeros(1, device=device, dtype=shapes[-1][1])
+        dense_parts = [part.to(self.dense_dtype) for part in dense_parts]
+        if self._one_buffer:
+            dtype = shapes[0][1]
+            bufs = [torch.cat([p.to(dtype) for p in factor_parts + dense_parts] + [flag])]
         else:
             bufs = ([torch.cat(factor_parts)] if factor_parts else []) + \
                 [torch.cat(dense_parts + [flag])]
@@ -155,10 +160,10 @@ class WireLayout:
             return torch.empty(0), torch.empty(0), None
         first, last = reduced[0], reduced[-1]
         factors = first[:self.factors]
-        if len(reduced) > 1 or (self.factor_dtype != torch.float32 and not self.factors):
-            dense = last[:self.dense]
-        else:
+        if self._one_buffer:
             dense = first[self.factors:self.factors + self.dense]
+        else:
+            dense = last[:self.dense]
         return factors, dense, (last[-1:] > 0) if self.flag else None
 
 

@@ -35,7 +35,8 @@ class LowRankState:
                  min_compression_rate: float = 2.0, seed: int = 0,
                  compress_all: bool = False, device=None,
                  factor_dtype: torch.dtype = torch.float32,
-                 ef_dtype: torch.dtype = torch.float32):
+                 ef_dtype: torch.dtype = torch.float32,
+                 dense_dtype: torch.dtype = torch.float32):
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.entries = [(name, (int(n), int(m))) for name, (n, m) in entries]
@@ -45,6 +46,7 @@ class LowRankState:
         self.device = device
         self.factor_dtype = factor_dtype  # factors on the wire; all math in fp32
         self.ef_dtype = ef_dtype          # the residual kept between steps
+        self.dense_dtype = dense_dtype    # the uncompressed rest on the wire
         self.ef = ErrorFeedback(ef_dtype, self.workspace_bytes)
         self.rank = rank
         self.shape_ranks: dict[tuple[int, int], int] = {}  # per-shape overrides of ``rank``
@@ -151,7 +153,7 @@ class LowRankState:
     def _settings(self) -> dict:
         return dict(min_compression_rate=self.min_compression_rate, seed=self.seed,
                     device=self.device, factor_dtype=self.factor_dtype,
-                    ef_dtype=self.ef_dtype)
+                    ef_dtype=self.ef_dtype, dense_dtype=self.dense_dtype)
 
     def local_step(self, grads: Sequence[torch.Tensor]) -> None:
         """One step's math with every collective left out (what the bypass's cost model
@@ -214,12 +216,12 @@ class LowRankState:
         return Step(grads=list(grads))
 
     def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
-        """The uncompressed gradients, flat fp32, a matrix's residual handed back once
-        when it fell back to dense (nothing is lost)."""
+        """The uncompressed gradients, flat in the dense wire dtype, a matrix's residual
+        handed back once when it fell back to dense (nothing is lost)."""
         parts = []
         for i in self.dense_indices:
             self._flush_into(i, grads[i])
-            parts.append(grads[i].float().reshape(-1))
+            parts.append(grads[i].reshape(-1).to(self.dense_dtype))
         return parts
 
     def _flush_into(self, i: int, grad: torch.Tensor) -> None:

@@ -127,7 +127,8 @@ class BucketCompressor(LowRankState):
     def layouts(self) -> tuple[WireLayout, WireLayout]:
         """The two phases' buffers: ``[P | dense rest | flag]`` and ``[Q]``."""
         p, q = self._factor_numels()
-        return (WireLayout(p, self._dense_numel_sent(), self.factor_dtype),
+        return (WireLayout(p, self._dense_numel_sent(), self.factor_dtype,
+                           dense_dtype=self.dense_dtype),
                 WireLayout(q, 0, self.factor_dtype, flag=False))
 
     def phase_bytes(self) -> tuple[list, list]:

@@ -179,7 +179,8 @@ class ShardCompressor(LowRankState):
     def second_layout(self) -> WireLayout:
         """The buffers across instances after the slice: ``[Q_b'... | dense | flag]``."""
         rows = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
-        return WireLayout(rows, self._dense_numel_sent(), self.factor_dtype)
+        return WireLayout(rows, self._dense_numel_sent(), self.factor_dtype,
+                          dense_dtype=self.dense_dtype)
 
     def phase_bytes(self) -> tuple[list, list]:
         """Bytes across instances: the ``P`` slice (factor dtype), then the second phase."""

@@ -5,6 +5,7 @@ declared in that order, each field tagged with its group. Attribute access stays
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,6 +65,14 @@ class EdgcConfig:
                                  "(BENCHMARKS.md, issue 33); checkpointed with it",
                          choices=("fp32", "bf16"),
                          group="method")
+    dense_wire: str = knob("grad", "dtype on the wire of every dense sync of a compressed "
+                                   "run (the warm-up, the bypass, the uncompressed rest of a "
+                                   "compressed bucket): grad: the gradient buffer's (bf16 "
+                                   "with --grad-reduce-in-bf16); bf16: bf16 on fp32 buffers "
+                                   "too, half the bytes, its rounding not fed back (torch's "
+                                   "bf16_compress_hook); with bf16 factors the rest then "
+                                   "joins P's collective", choices=("grad", "bf16"),
+                           group="method")
     pp_compression: str = knob("off", "pipeline backward sends: off: dense; static: "
                                       "rank --edgc-pp-rank; edgc: rank chosen by its own "
                                       "entropy controller (needs --edgc-mode edgc)",
@@ -100,8 +109,15 @@ class EdgcConfig:
                              group="controller")
     warmup_windows: int = knob(2, "... for this many consecutive windows (K)", min=1,
                                group="controller")
-    warmup_max_iters: Optional[int] = knob(None, "end warm-up here at the latest (default: no "
-                                                 "cap)", min=1, group="controller")
+    warmup_max_iters: Optional[int] = knob(None, "end warm-up here at the latest (default: "
+                                                 "--edgc-warmup-max-fraction of the run)",
+                                           min=1, group="controller")
+    warmup_max_fraction: float = knob(0.1, "without --edgc-warmup-max-iters, end warm-up at "
+                                           "the first window end at or after this fraction "
+                                           "of --train-iters at the latest (1: no bound, the "
+                                           "paper's setting: the stability rule alone)",
+                                      min=0.0, max=1.0, min_exclusive=True,
+                                      group="controller")
     entropy: str = knob("gaussian", "entropy estimator", choices=("gaussian", "histogram"),
                         group="controller")
     g: str = knob("marchenko-pastur", "g(r) of the rank model: Gaussian theory, or residuals "
@@ -187,6 +203,15 @@ class EdgcConfig:
         if self.pp_compression == "edgc" and self.mode != "edgc":
             raise ConfigError("--edgc-pp-compression", "edgc needs --edgc-mode edgc (the "
                                                        "window machinery); use static otherwise")
+
+    def warmup_cap(self, train_iters: int) -> Optional[int]:
+        """The iteration by which the warm-up ends at the latest: ``warmup_max_iters``
+        where given, else ``warmup_max_fraction`` of the run (None: no bound)."""
+        if self.warmup_max_iters is not None:
+            return self.warmup_max_iters
+        if self.warmup_max_fraction < 1.0:
+            return max(1, math.ceil(self.warmup_max_fraction * train_iters))
+        return None
 
     @property
     def dac_active(self) -> bool:

@@ -63,10 +63,9 @@ def check_ranges(section) -> None:
             raise ConfigError(flag, f"must be one of {', '.join(map(str, meta['choices']))} "
                                     f"(got {value!r})")
         lo, hi = meta.get("min"), meta.get("max")
-        if lo is not None and (value <= lo if meta.get("min_exclusive") else value < lo):
-            rng = f"({lo}, {hi if hi is not None else 'inf'}]" if meta.get("min_exclusive") else \
-                  f"[{lo}, {hi if hi is not None else 'inf'}]"
+        below = lo is not None and (value <= lo if meta.get("min_exclusive") else value < lo)
+        if below or (hi is not None and value > hi):
+            opening = "(" if meta.get("min_exclusive") or lo is None else "["
+            rng = f"{opening}{lo if lo is not None else '-inf'}, " \
+                  f"{hi if hi is not None else 'inf'}]"
             raise ConfigError(flag, f"must be in {rng} (got {value})")
-        if hi is not None and value > hi:
-            raise ConfigError(flag, f"must be in [{lo if lo is not None else '-inf'}, {hi}] "
-                                    f"(got {value})")

@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 #: as megatron-core's) from then on.
 FALLBACK_AFTER_FAILURES = 2
 
+#: ``--edgc-dense-wire``: the dtype a dense sync puts on the wire ("grad": the buffer's).
+DENSE_WIRE_DTYPES = {"bf16": torch.bfloat16}
+
 
 class _PendingSync:
     """A bucket group's sync in flight (megatron-core's ``grad_reduce_handle``):
@@ -100,7 +103,8 @@ class DPGradientCompression:
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
                  ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False,
-                 link_window: int = 0, debug_dump: Optional[str] = None):
+                 link_window: int = 0, debug_dump: Optional[str] = None,
+                 dense_wire: str = "grad"):
         features.require("ddp")
         # 0.16+: start/finish_grad_sync(force_all_reduce=False); 0.13-0.15: no argument
         self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
@@ -132,10 +136,13 @@ class DPGradientCompression:
                 for bi, bucket in enumerate(group.buckets):
                     require_attributes(bucket, BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
+                    dense_dtype = bucket.grad_data.dtype if dense_wire == "grad" else \
+                        DENSE_WIRE_DTYPES[dense_wire]
                     plans.append(BucketPlan.build(
                         key, bucket, reduction, bucket_matrices(bucket, names, stacked),
                         [(names[p], p) for p in bucket.params_list], rank or 1,
-                        dict(settings, device=bucket.grad_data.device)))
+                        dict(settings, device=bucket.grad_data.device,
+                             dense_dtype=dense_dtype)))
                     self.plans[key] = plans[-1]
                 self._group_plans[id(group)] = plans
                 self._patch(group)
@@ -356,7 +363,7 @@ class DPGradientCompression:
             if owner.entropy_probe is not None:
                 for plan in plans:
                     owner.entropy_probe(plan.key, plan.bucket.grad_data)
-            if owner._megatron_syncs(plans[0].reduction, force_all_reduce):
+            if owner._megatron_syncs(plans, force_all_reduce):
                 if owner.active and force_all_reduce:
                     for plan in plans:   # the dense message carries the whole error
                         plan.compressor.absorb_residual(plan.grads())
@@ -368,7 +375,7 @@ class DPGradientCompression:
 
         def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
             if isinstance(self.grad_reduce_handle, _PendingSync) or not owner._megatron_syncs(
-                    owner._group_plans[id(self)][0].reduction, force_all_reduce):
+                    owner._group_plans[id(self)], force_all_reduce):
                 self.param_gather_dispatched = False
                 if not self.ddp_config.overlap_grad_reduce or is_first_batch(self):
                     start_grad_sync(self, force_all_reduce)
@@ -383,24 +390,31 @@ class DPGradientCompression:
         group.start_grad_sync = types.MethodType(start_grad_sync, group)
         group.finish_grad_sync = types.MethodType(finish_grad_sync, group)
 
-    def _megatron_syncs(self, reduction: Reduction, force_all_reduce) -> bool:
-        """Whether megatron-core's own sync runs: compression off or not started, a group
-        of one replica (nothing goes on a wire, compressing would only approximate), or
-        ``force_all_reduce`` (a dense all-reduce of the whole bucket, as asked)."""
-        single = reduction.size == 1 and not self.compress_single_replica
-        return not self.active or single or bool(force_all_reduce)
+    def _megatron_syncs(self, plans: list, force_all_reduce) -> bool:
+        """Whether megatron-core's own sync runs: a group of one replica (nothing goes on
+        a wire, compressing would only approximate), ``force_all_reduce`` (a dense
+        all-reduce of the whole bucket, as asked), or compression off or not started
+        (warm-up) where the dense wire is the buffers' dtype; a narrower dense wire
+        (``--edgc-dense-wire bf16`` on fp32 buffers) is this patch's dense strategy."""
+        single = plans[0].reduction.size == 1 and not self.compress_single_replica
+        if single or force_all_reduce:
+            return True
+        if self.active:
+            return False
+        return all(p.compressor.dense_dtype == p.bucket.grad_data.dtype for p in plans)
 
     def _count_dense(self, group, reduction: Reduction) -> None:
         """The bytes megatron-core's own sync of ``group`` places into collectives (from
         its plans' reductions: no process-group query per step)."""
         pairs = [p.reduction.megatron_bytes(p.bucket) for p in self._group_plans[id(group)]]
         total, slow = sum(t for t, _ in pairs), sum(s for _, s in pairs)
+        self.stats.collectives += sum(bool(t) + bool(s) for t, s in pairs)
         self.stats.add_bytes(total - slow, total - slow, reduction.expert)
         self.stats.add_bytes(slow, slow, reduction.expert, slow_hop=True)
 
     def _start(self, group) -> None:
         stats = self.stats
-        stats.compressed = True
+        stats.compressed |= self.active   # else the warm-up's dense sync on a narrow wire
         plans = self._group_plans[id(group)]
         reduction = plans[0].reduction
         # average_in_collective: megatron-core reduces with AVG over the group (and over
@@ -418,11 +432,12 @@ class DPGradientCompression:
                 factor = plan.bucket.gradient_scaling_factor * scale_extra
                 if factor != 1.0:
                     plan.bucket.grad_data *= factor
-                dense = plan.key in self.dense_keys
+                bypassed = self.active and plan.key in self.dense_keys
+                dense = bypassed or not self.active
                 total, slow = plan.replaced_bytes
                 stats.add_bytes(0, total - slow, reduction.expert)
                 stats.add_bytes(0, slow, reduction.expert, slow_hop=True)
-                if dense:
+                if bypassed:
                     stats.bypassed_buckets += 1
                 pipeline.start(plan.key, reduction.expert,
                                plan.strategy(dense, self.debug_dump, stats.events))

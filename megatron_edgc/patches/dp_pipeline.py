@@ -139,6 +139,7 @@ class BucketPipeline:
                                               stats.clock.completion(turn.handles[-1]),
                                               self._phases)
                 stats.add_bytes(c.nbytes, 0, turn.expert, c.slow_hop)
+                stats.collectives += 1
             stats.add_time("comm_s", t0)
             if not phase.inline:
                 return turn

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from megatron_edgc.compression.low_rank_state import LowRankState
+from megatron_edgc.compression.kernels import dtype_bytes
 from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.compression.shard import shard_pieces
 from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_compressor_inputs
@@ -85,15 +86,27 @@ class BucketPlan:
                     inline=True)
 
     def dense(self) -> Strategy:
-        """The bypass: the whole error into the dense message, then megatron-core's
-        collective (on the slow hop, the shard across instances)."""
+        """The bypass and the warm-up: the whole error into the dense message, then the
+        all-reduce (on the slow hop, the shard across instances) in the dense wire dtype;
+        a buffer wider than the wire travels in slices of at most the workspace, each cast
+        there and back (its rounding is not fed back, as the bf16 wire of Megatron-LM's
+        ``--grad-reduce-in-bf16`` or torch's ``bf16_compress_hook``)."""
         r = self.reduction
         if r.slow_hop:
             yield from self.fast_hop()
         grads = self.grads()
         self.compressor.absorb_residual(grads)
         data = self.shard() if r.slow_hop else self.bucket.grad_data
-        yield Phase([all_reduce(data, r.process_group, slow_hop=r.slow_hop)])
+        wire = self.compressor.dense_dtype
+        if data.dtype == wire:
+            yield Phase([all_reduce(data, r.process_group, slow_hop=r.slow_hop)])
+            return None
+        step = max(1, self.compressor.workspace_bytes // dtype_bytes(wire))
+        for lo in range(0, data.numel(), step):
+            part = data[lo:lo + step]
+            sent = part.to(wire)
+            yield Phase([all_reduce(sent, r.process_group, slow_hop=r.slow_hop)])
+            part.copy_(sent)
         return None
 
     def flat(self, dump=None, events: Optional[list] = None) -> Strategy:

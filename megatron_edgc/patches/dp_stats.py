@@ -29,6 +29,7 @@ class DPSyncStats:
     expert_bytes_dense: int = 0
     slow_hop_bytes_sent: int = 0   # of those, across distributed-optimizer instances
     slow_hop_bytes_dense: int = 0
+    collectives: int = 0     # DP collectives this rank issued (megatron-core's one per bucket)
     compress_s: float = 0.0  # time in compression math (P, QR, Q, decompression)
     comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
                              # time the stream waited for them)
@@ -53,7 +54,7 @@ class DPSyncStats:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
         self.expert_bytes_sent = self.expert_bytes_dense = 0
         self.slow_hop_bytes_sent = self.slow_hop_bytes_dense = 0
-        self.bypassed_buckets = 0
+        self.bypassed_buckets = self.collectives = 0
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False

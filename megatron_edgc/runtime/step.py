@@ -79,7 +79,7 @@ class EdgcRuntime:
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype],
                 compress_single_replica=e.compress_single_replica,
-                link_window=e.link_window, debug_dump=e.debug_dump)
+                link_window=e.link_window, debug_dump=e.debug_dump, dense_wire=e.dense_wire)
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
                 f"; compressing the slow hop only: each rank's shard across {instances} "
@@ -322,6 +322,7 @@ class EdgcRuntime:
                        dp_ef_bytes=step.ef_bytes,
                        dp_nonfinite_buckets=st.nonfinite_buckets,
                        dp_bypassed_buckets=st.bypassed_buckets,
+                       dp_collectives=st.collectives,
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
                        dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
             if math.isfinite(st.link_gbps):   # the bypass's link in force at this step
