@@ -90,7 +90,7 @@ def plan(testbed: str, seeds: int) -> list:
               "--edgc-factor-dtype", "fp32"]
     edgc = tb.get("edgc", EDGC_FLAGS) + ["--edgc-rank-max", str(r_max),
                                          "--edgc-factor-dtype", "fp32"]
-    budget50 = edgc + ["--edgc-controller", "budget", "--edgc-byte-budget", "0.5"]
+    budget50 = edgc + ["--edgc-controller", "budget", "--edgc-time-budget", "0.5"]
     budget50_lr = budget50 + ["--edgc-budget-schedule", "lr"]
     seeded = tb["seeded_static"]
 
@@ -107,7 +107,7 @@ def plan(testbed: str, seeds: int) -> list:
     runs += [static_run(r, SEED0) for r in tb["static"] if r not in seeded]
     runs.append((f"budget25-rmax{2 * r_max}", "budget", SEED0,
                  EDGC_FLAGS + ["--edgc-rank-max", str(2 * r_max), "--edgc-controller", "budget",
-                               "--edgc-byte-budget", "0.25"]))
+                               "--edgc-time-budget", "0.25"]))
     runs += [("budget50-lr", "budget", seed, budget50_lr)
              for seed in range(SEED0 + 1, SEED0 + seeds)]
     # budget25-rmax16 thrashed (shape ranks jumping 1 <-> 16 between windows): the same
@@ -138,7 +138,7 @@ def plan(testbed: str, seeds: int) -> list:
     # LR-scheduled: room for the shapes whose error curve still pays above r_max
     runs.append((f"budget30-rmax{2 * r_max}-lr-step", "budget", SEED0,
                  EDGC_FLAGS + ["--edgc-rank-max", str(2 * r_max), "--edgc-controller", "budget",
-                               "--edgc-byte-budget", "0.3", "--edgc-budget-schedule", "lr",
+                               "--edgc-time-budget", "0.3", "--edgc-budget-schedule", "lr",
                                "--edgc-budget-step-limit", "on"]))
     if "only" in tb:
         runs = [r for r in runs if r[0] in tb["only"] and r[2] == SEED0]

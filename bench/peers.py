@@ -68,24 +68,38 @@ RATES = ["100mbit", "300mbit", "1gbit"]
 SEEDS = [1234, 1235, 1236]
 REPEATS = 2
 EVAL_EVERY = 20
-OURS = ("static r_max", "static r_min", "EDGC", "EDGC budget")
+OURS = ("static r_max", "static r_min", "EDGC", "EDGC budget", "EDGC bf16 dense",
+        "EDGC budget bf16 dense", "EDGC bf16 grads")
 TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
 
 
-def edgc_flags(iters: int, controller: str) -> list:
-    """The paper's defaults scaled: the config's windows for the 200-iteration loss run; for
-    a short timing run, a warm-up of at most a quarter of it and windows of 5."""
+def edgc_flags(iters: int, controller: str, paper_warmup: bool = False) -> list:
+    """The paper's defaults scaled: the config's windows for the 200-iteration loss run,
+    the warm-up bounded at 10 % of the run (``--edgc-warmup-max-fraction``' default), or
+    with ``paper_warmup`` at iteration 80 (the config's cap of the first race); for a short
+    timing run, a warm-up of at most a quarter of it and windows of 5."""
     flags = ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "off",
              "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
     if iters < 100:
         flags += ["--edgc-window", "5", "--edgc-iter-sample-rate", "0.4",
                   "--edgc-warmup-max-iters", str(max(4, iters // 4)), "--edgc-warmup-windows",
                   "1"]
+    elif paper_warmup:
+        flags += ["--edgc-warmup-max-iters", "80"]
     return flags
 
 
+#: The dense syncs in bf16 (the warm-up's, the bypass's, the uncompressed rest's): the
+#: wire of the fastest dense peer, on the fp32 buffers every mode here trains with.
+BF16_DENSE = ["--edgc-dense-wire", "bf16"]
+#: bf16 mixed precision with bf16 gradient buffers (Megatron-LM's --grad-reduce-in-bf16):
+#: every dense sync is bf16 already; its fair peer is bf16 on the wire.
+BF16_GRADS = ["--bf16", "--grad-reduce-in-bf16"]
+
+
 def modes(iters: int) -> dict:
-    """name -> (script, flags)."""
+    """name -> (script, flags). "EDGC" and "EDGC budget" are the first race's (the paper's
+    warm-up: fp32 dense to iteration 80; the byte budget), kept as recorded."""
     static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "off"]
     return {
         "dense fp32": (TRAINER, ["--edgc-mode", "off"]),
@@ -95,8 +109,11 @@ def modes(iters: int) -> dict:
         "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
         "static r_max": (TRAINER, static + ["--edgc-rank", str(R_MAX)]),
         "static r_min": (TRAINER, static + ["--edgc-rank", str(R_MIN)]),
-        "EDGC": (TRAINER, edgc_flags(iters, "paper")),
-        "EDGC budget": (TRAINER, edgc_flags(iters, "budget")),
+        "EDGC": (TRAINER, edgc_flags(iters, "paper", paper_warmup=True)),
+        "EDGC budget": (TRAINER, edgc_flags(iters, "budget", paper_warmup=True)),
+        "EDGC bf16 dense": (TRAINER, edgc_flags(iters, "paper") + BF16_DENSE),
+        "EDGC budget bf16 dense": (TRAINER, edgc_flags(iters, "budget") + BF16_DENSE),
+        "EDGC bf16 grads": (TRAINER, edgc_flags(iters, "paper") + BF16_GRADS),
     }
 
 

@@ -34,7 +34,7 @@ def pretrain(argv, timeout=300):
      "--edgc-dac", "off", "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "8"],
     # the budget controller: the checkpoint at 5 falls inside its first measured window
     ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
-     "--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
+     "--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-time-budget", "0.5",
      "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8",
      "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "4"],
     # MoE, EP 2 on DP 4: a model file per EP rank (its experts), experts' residuals per rank

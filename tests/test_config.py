@@ -79,8 +79,8 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-grad-sample-rate", "-0.1"], "--edgc-grad-sample-rate", "(0.0, 1.0]", None),
     (["--edgc-grad-sample-rate", "2"], "--edgc-grad-sample-rate", "1.0", None),
     (["--edgc-rank-step", "0"], "--edgc-rank-step", "[1, inf]", None),
-    (["--edgc-byte-budget", "0"], "--edgc-byte-budget", "(0.0, 1.0]", None),
-    (["--edgc-byte-budget", "1.5"], "--edgc-byte-budget", "(0.0, 1.0]", None),
+    (["--edgc-time-budget", "0"], "--edgc-time-budget", "(0.0, 1.0]", None),
+    (["--edgc-time-budget", "1.5"], "--edgc-time-budget", "(0.0, 1.0]", None),
     (["--edgc-controller", "accordion"], "--edgc-controller", "paper, budget", None),
     (["--edgc-mode", "edgc", "--edgc-budget-weight", "adam"], "--edgc-budget-weight",
      "needs --edgc-mode edgc --edgc-controller budget", None),
@@ -162,7 +162,7 @@ def test_bad_files(small_model_argv, corpus_data, tmp_path):
 @pytest.mark.parametrize("extra,flag,value", [
     (["--edgc-warmup-eps", "nan"], "--edgc-warmup-eps", "nan"),
     (["--lr", "inf"], "--lr", "inf"),
-    (["--edgc-byte-budget=-inf"], "--edgc-byte-budget", "-inf"),
+    (["--edgc-time-budget=-inf"], "--edgc-time-budget", "-inf"),
     (["--edgc-link-gbps", "NaN"], "--edgc-link-gbps", "nan"),
 ])
 def test_non_finite_floats_are_refused(small_model_argv, extra, flag, value):

@@ -165,7 +165,7 @@ def test_budget_control_sends_shape_ranks_as_ints_and_loads_the_old_state():
     settings = ControllerSettings(window=2, iter_sample_rate=1.0, rank_max=8, rank_min=1,
                                   warmup_max_iters=4)
     groups = [[(64, 256, 2), (2048, 64, 1)], [(64, 64, 4)]]
-    controller = BudgetRankController(settings, groups, byte_budget=0.5)
+    controller = BudgetRankController(settings, groups, time_budget=0.5)
     control = BudgetControl(controller, None, optimizer=None, lr_at=None, schedule="lr",
                             train_iters=20, stage=0, device="cpu")
     controller.table = [{(64, 256): 5, (2048, 64): 2}, None]
@@ -181,7 +181,7 @@ def test_budget_control_sends_shape_ranks_as_ints_and_loads_the_old_state():
     old = {"controller": controller.state_dict(), "stage_shapes": [[2048, 64], [64, 64]],
            "calibrated_g": None, "pp_controller": None, "budget_scales": [[6, 1.2], [8, 0.8]],
            "dp_table": saved, "pp_rank": None, "table_version": 3}
-    fresh = BudgetControl(BudgetRankController(settings, groups, byte_budget=0.5), None,
+    fresh = BudgetControl(BudgetRankController(settings, groups, time_budget=0.5), None,
                           optimizer=None, lr_at=None, schedule="lr", train_iters=20, stage=0,
                           device="cpu")
     fresh.load_state_dict(old)

@@ -88,7 +88,7 @@ def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(weight,
     from distributed import assert_dp_replicas_identical
 
     metrics = str(tmp_path / "m.jsonl")
-    flags = ["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-byte-budget", "0.5",
+    flags = ["--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-time-budget", "0.5",
              "--edgc-window", "4", "--edgc-iter-sample-rate", "0.5", "--edgc-rank-max", "8",
              "--edgc-rank-min", "1", "--edgc-warmup-max-iters", "8", "--edgc-check-table",
              "--edgc-budget-weight", weight]
@@ -105,6 +105,9 @@ def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(weight,
     assert max(r["dp_bytes_sent_job"] for r in later) < 0.8 * records[9]["dp_bytes_sent_job"]
     states = [r["controller"] for r in results]
     assert all(s == states[0] for s in states)
+    # the time budget priced by the bypass's cost model: a measured link and timed math,
+    # the same on every rank; fixed costs take bytes off the budget's fraction
+    assert all(x > 0 for x in states[0]["fixed_ratio"])
     if weight == "elements":
         assert states[0]["weights"] == [None, None]
     else:

@@ -146,7 +146,7 @@ def make(**kw):
     settings = ControllerSettings(window=4, iter_sample_rate=0.5, rank_max=8, rank_min=1,
                                   rank_step=2, warmup_eps=0.01, warmup_windows=2,
                                   warmup_max_iters=8)
-    return BudgetRankController(settings, SHAPES, byte_budget=kw.get("budget", 0.5),
+    return BudgetRankController(settings, SHAPES, time_budget=kw.get("budget", 0.5),
                                 max_step=kw.get("max_step"))
 
 
@@ -191,6 +191,36 @@ def test_budget_controller_moves_with_the_spectrum():
     assert tables[16][0][1] == [512, 128, final[(512, 128)]]
     assert c2.table[0][(512, 128)] >= final[(512, 128)] + 3, tables[-1]
     assert c2.table[0][(8192, 128)] < tables[16][0][2][2]
+
+
+def test_time_budget_prices_the_fixed_costs():
+    """The budget is time: ``T = fixed + v·width·r``. With no fixed cost it is the budget's
+    fraction of the factor bytes at r_max; where latency, the dense rest and the math's
+    intercept make a third of T(r_max), a 0.5 budget leaves a quarter of the bytes (the
+    cheaper configuration), and where fixed costs reach the budget every shape drops to
+    r_min; the allocation then sends fewer bytes, never more."""
+    decay = lambda s, shape, it: 0.9
+    spent = {}
+    for name, lines in (("link", [(0.0, 1e-3), (0.0, 1e-3)]),
+                        ("half", [(4e-3, 1e-3), (4e-3, 1e-3)]),
+                        ("fixed", [(1.0, 1e-3), (4e-3, 1e-3)])):
+        c = make()
+        c.set_time_line(lines)
+        assert c.fixed_ratio == [f / (v * 8) for f, v in lines]
+        drive(c, decay, 24)
+        spent[name] = [c.bytes_of(s, c.table[s]) for s in range(2)]
+        full = [sum(k * (n + m) * hi * 4 for n, m, k, hi in c.groups[s]) for s in range(2)]
+        if name == "link":
+            assert [c.byte_fraction(s) for s in range(2)] == [0.5, 0.5]
+        if name == "half":
+            assert [c.byte_fraction(s) for s in range(2)] == [0.25, 0.25]
+        if name == "fixed":
+            assert c.byte_fraction(0) == 0.0 and set(c.table[0].values()) == {1}   # r_min
+        assert all(b <= max(c.budget_bytes(s), c.bytes_of(s, {
+            sh: 1 for sh in c.shapes_of(s)})) for s, b in enumerate(spent[name]))
+        assert all(b <= f for b, f in zip(spent[name], full))
+    assert spent["half"][0] < spent["link"][0] and spent["fixed"][0] < spent["half"][0]
+    assert spent["fixed"][1] == spent["half"][1]          # per stage: its own line
 
 
 def test_step_limited_budget_controller_moves_by_at_most_s():

@@ -84,10 +84,10 @@ class EdgcConfig:
                                   group="method")
 
     # The controller (edgc mode), EDGC §2-6: windows, entropy sampling (GDS), the rank
-    # model (CQM) or the byte budget, warm-up, the PP controller, stage alignment (DAC).
+    # model (CQM) or the time budget, warm-up, the PP controller, stage alignment (DAC).
     controller: str = knob("paper", "edgc mode's rank controller after the warm-up: paper: "
                                     "entropy change -> rank (CQM, EDGC §4, with DAC); budget: "
-                                    "per-matrix-shape ranks that spend --edgc-byte-budget where "
+                                    "per-matrix-shape ranks that spend --edgc-time-budget where "
                                     "PowerSGD's measured residual falls most "
                                     "(megatron_edgc/control/rank_allocation.py)",
                            choices=("paper", "budget"), group="controller")
@@ -123,8 +123,10 @@ class EdgcConfig:
     g: str = knob("marchenko-pastur", "g(r) of the rank model: Gaussian theory, or residuals "
                                       "measured on the real gradients at warm-up end",
                   choices=("marchenko-pastur", "calibrated"), group="controller")
-    byte_budget: float = knob(0.5, "budget controller: compressed DP bytes per iteration as a "
-                                   "fraction of every shape at r_max", min=0.0, max=1.0,
+    time_budget: float = knob(0.5, "budget controller: the DP sync's time per iteration "
+                                   "(its collectives over the bypass's link model in force "
+                                   "plus the timed compression math) as a fraction of its "
+                                   "time with every shape at r_max", min=0.0, max=1.0,
                               min_exclusive=True, group="controller")
     budget_schedule: str = knob("constant", "budget controller over time: constant: the same "
                                             "budget every window; lr: the window's budget "

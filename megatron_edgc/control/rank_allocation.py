@@ -1,4 +1,4 @@
-"""The ``budget`` controller: per-shape DP ranks from a byte budget and measured error curves.
+"""The ``budget`` controller: per-shape DP ranks from a time budget and measured error curves.
 
 An alternative to the paper's CQM (``--edgc-controller budget``), designed from what the
 entropy study showed (BENCHMARKS.md, "The entropy question"): the sampled Gaussian entropy
@@ -10,11 +10,20 @@ step captures in basis direction ``j`` (``P^`` is orthonormal), so the sorted co
 energies of each matrix shape give its relative residual at every rank up to the current
 one (:meth:`BucketCompressor._add_spectrum`).
 
-With those curves the controller spends a fixed byte budget where it buys the most
+With those curves the controller spends a fixed time budget where it buys the most
 (L-GreCo, Markov et al. 2023, allocates per-layer ranks the same way, offline and by
 dynamic programming): minimise ``Σ_g numel_g · ρ_g(r_g)²`` — each shape group's relative
 squared residual weighted by its elements, the quantity Adam's per-element normalisation
-sees — subject to ``Σ_g bytes_g(r_g) ≤ budget · bytes(r_max)``. The sorted column
+sees — subject to ``T(r) ≤ budget · T(r_max)``, ``T`` the stage's DP sync time per
+iteration under the bypass's cost model: its collectives over the link in force plus the
+timed compression math, ``T = fixed + v·Σ_g count_g (n_g + m_g) r_g`` (latency, dense
+rest and the math's intercept fixed; bytes and the math's slope per factor element). With
+``ρ = fixed / (v·width·r_max)`` the constraint is a byte budget of
+``budget − (1 − budget)·ρ`` of the factors at r_max: where the link dominates (ρ → 0)
+it is the budget's fraction of the bytes, the ranks spending math to save bytes; where
+fixed costs dominate, lower ranks buy little time, and the allocation takes the cheaper
+configuration down to ``r_min`` (and the bypass, on the same model, the dense sync where
+even that loses). The sorted column
 energies make every curve convex, so adding one rank at a time to the group with the best
 error saved per byte is optimal (the greedy solution of a separable convex knapsack).
 
@@ -153,7 +162,7 @@ def sqrt_lr_scales(lrs: Sequence[float]) -> list:
 
 
 class BudgetRankController(RankController):
-    """Warm-up as the paper's controller; then per-shape ranks from a byte budget.
+    """Warm-up as the paper's controller; then per-shape ranks from a time budget.
 
     ``stage_groups[s]`` lists stage ``s``'s compressible matrix shapes as
     ``(n, m, count)``. The table entry of a stage is its shape ranks,
@@ -161,12 +170,15 @@ class BudgetRankController(RankController):
     """
 
     def __init__(self, settings: ControllerSettings, stage_groups: Sequence[Sequence[tuple]],
-                 *, byte_budget: float, min_compression_rate: float = 2.0,
+                 *, time_budget: float, min_compression_rate: float = 2.0,
                  max_step: Optional[int] = None):
         super().__init__(settings, [None] * len(stage_groups))
-        if not 0 < byte_budget <= 1:
-            raise ValueError(f"byte_budget must be in (0, 1], got {byte_budget}")
-        self.byte_budget = byte_budget
+        if not 0 < time_budget <= 1:
+            raise ValueError(f"time_budget must be in (0, 1], got {time_budget}")
+        self.time_budget = time_budget
+        #: per stage: its sync's fixed time over its factors' time at r_max (module
+        #: docstring; 0 until priced: the budget is then a fraction of the bytes)
+        self.fixed_ratio: list = [0.0] * len(stage_groups)
         self.max_step = max_step  # per-shape rank change per window (None: unlimited)
         self.groups = []
         for shapes in stage_groups:
@@ -189,9 +201,20 @@ class BudgetRankController(RankController):
     def full_table(self, stage: int) -> dict:
         return {(n, m): hi for n, m, _, hi in self.groups[stage]}
 
+    def set_time_line(self, stage_lines: Sequence[tuple]) -> None:
+        """Each stage's DP sync time as ``(fixed, per rank)`` seconds at uniform ranks (the
+        cost model's, :meth:`BypassPlanner.time_line`): the time budget's prices."""
+        self.fixed_ratio = [fixed / (slope * self.settings.rank_max) if slope > 0 else 0.0
+                            for fixed, slope in stage_lines]
+
+    def byte_fraction(self, stage: int) -> float:
+        """The time budget as a fraction of the stage's factor bytes at r_max."""
+        f = min(1.0, self.time_budget * self.budget_scale)
+        return max(0.0, f - (1.0 - f) * self.fixed_ratio[stage])
+
     def budget_bytes(self, stage: int) -> float:
         full = sum(c * (n + m) * hi * FLOAT_BYTES for n, m, c, hi in self.groups[stage])
-        return min(1.0, self.byte_budget * self.budget_scale) * full
+        return self.byte_fraction(stage) * full
 
     def bytes_of(self, stage: int, table: Optional[dict]) -> Optional[int]:
         """Compressed-factor bytes per iteration of this stage's groups under ``table``."""
@@ -260,7 +283,8 @@ class BudgetRankController(RankController):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["table"] = self.encode_table(self.table)
-        state.update(captured=copy.deepcopy(self.captured), byte_budget=self.byte_budget,
+        state.update(captured=copy.deepcopy(self.captured), time_budget=self.time_budget,
+                     fixed_ratio=list(self.fixed_ratio),
                      weights=copy.deepcopy(self.weights),
                      measured_windows=self.measured_windows, budget_scale=self.budget_scale,
                      groups=[[list(g) for g in rows] for rows in self.groups])

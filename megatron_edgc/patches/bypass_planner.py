@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.compression.bypass import (LinkModel, compression_saving_s,
-                                              link_from_collectives)
+from megatron_edgc.compression.bypass import LinkModel, link_from_collectives
 from megatron_edgc.compression.matrices import FLOAT_BYTES
 
 logger = logging.getLogger(__name__)
@@ -154,10 +153,10 @@ class BypassPlanner:
             self.link = self.links[self.process_groups()[0][0]]
         return changes
 
-    def decide(self, rank: int, rank_setting: tuple, stats) -> frozenset:
-        """The keys to send dense at ``rank`` (collectives on first use of a group, a rank
-        setting or the cost model: call outside the schedule); the predicted saving and
-        cost of the others go into ``stats``."""
+    def ensure_models(self, rank: int) -> None:
+        """The link of every reduction group (measured with probes on first use, or
+        declared) and the compression math's cost model (timed at ``rank`` on first use):
+        collectives on first use, so call outside the schedule, on every rank alike."""
         for i, (pg, expert) in enumerate(self.process_groups()):
             if pg not in self.links:
                 self.links[pg] = self.declared or measure_link(pg, self.device)
@@ -169,12 +168,51 @@ class BypassPlanner:
                 self.link = self.links[pg]
         if self.cost_model is None:
             self.cost_model = self._measure_cost_model(rank)
-        costs = {key: max(0.0, a + b * rank) for key, (a, b) in self.cost_model.items()}
-        dense, savings = set(), {}
-        for key, plan in self.plans.items():
-            savings[key] = compression_saving_s(self.links[plan.reduction.process_group],
-                                                plan.dense_bytes,
-                                                plan.compressor.wire_bytes(), 0)
+
+    # -------------------------------------------------------- the one cost model
+
+    def math_seconds(self, key: str, rank: float) -> float:
+        """Compress + decompress time of bucket ``key`` at ``rank`` (the timed ``a + b·r``)."""
+        a, b = self.cost_model[key]
+        return max(0.0, a + b * rank)
+
+    def compressed_seconds(self, key: str, rank: float, compressor=None) -> float:
+        """The compressed sync of bucket ``key``: each of its collectives over the link
+        in force (its latency and bytes), plus the math at ``rank``; ``compressor`` (default
+        the bucket's, at its ranks in force) gives the collectives."""
+        plan = self.plans[key]
+        link = self.links[plan.reduction.process_group]
+        comp = plan.compressor if compressor is None else compressor
+        return sum(link.allreduce_s(b) for b in comp.wire_bytes()) + \
+            self.math_seconds(key, rank)
+
+    def dense_seconds(self, key: str) -> float:
+        """The dense sync of bucket ``key``: one all-reduce in the dense wire dtype."""
+        plan = self.plans[key]
+        return self.links[plan.reduction.process_group].allreduce_s(plan.dense_bytes)
+
+    def time_line(self, r_hi: int, r_lo: int) -> tuple:
+        """``(fixed, per rank)`` seconds of every compressed bucket's sync together, the
+        line through the cost model at ``r_lo`` and ``r_hi`` (uniform ranks): what the
+        budget controller's time budget is priced in."""
+        at = {}
+        for rank in (r_hi, r_lo):
+            at[rank] = sum(self.compressed_seconds(k, rank, p.compressor.fresh(rank))
+                           for k, p in self.plans.items())
+        per_rank = max(0.0, (at[r_hi] - at[r_lo]) / (r_hi - r_lo)) if r_hi > r_lo else 0.0
+        return max(0.0, at[r_hi] - per_rank * r_hi), per_rank
+
+    def decide(self, rank: int, rank_setting: tuple, stats) -> frozenset:
+        """The keys to send dense at ``rank`` (collectives on first use of a group, a rank
+        setting or the cost model: call outside the schedule): where the compressed sync
+        (collectives and math) is predicted slower than the dense one; the predicted
+        saving and cost of the others go into ``stats``."""
+        self.ensure_models(rank)
+        dense, savings, costs = set(), {}, {}
+        for key in self.plans:
+            costs[key] = self.math_seconds(key, rank)
+            savings[key] = self.dense_seconds(key) - \
+                (self.compressed_seconds(key, rank) - costs[key])
             # flip the decision in force only on a clear win (no flapping at the boundary)
             margin = 0.0 if self._dense is None else \
                 self.hysteresis * max(savings[key], costs[key]) * \

@@ -264,6 +264,13 @@ class DPGradientCompression:
             for plan in self.plans.values():
                 plan.compressor.set_rank(rank, shape_ranks)
 
+    def time_line(self, r_hi: int, r_lo: int) -> tuple:
+        """``(fixed, per rank)`` seconds of this rank's compressed DP sync per iteration
+        under the bypass's cost model (the link in force, the timed math): collectives on
+        first use, on every rank alike (the budget controller's time budget)."""
+        self.planner.ensure_models(r_hi)
+        return self.planner.time_line(r_hi, r_lo)
+
     def shape_counts(self) -> dict:
         """``{(n, m): number of matrices}`` of this rank's buckets (vectors excluded)."""
         counts: dict = {}

@@ -69,9 +69,10 @@ class BucketPlan:
 
     @property
     def dense_bytes(self) -> int:
-        """The dense alternative on the compressed group: the bucket, or on the slow hop
-        this rank's shard of it."""
-        return bucket_grad_bytes(self.bucket) // self.reduction.intra_size
+        """The dense alternative on the compressed group in the dense wire dtype: the
+        bucket, or on the slow hop this rank's shard of it."""
+        numel = self.bucket.grad_data.numel() // self.reduction.intra_size
+        return numel * dtype_bytes(self.compressor.dense_dtype)
 
     def shard(self) -> torch.Tensor:
         lo, hi = self.reduction.shard_range(self.bucket)

@@ -5,8 +5,9 @@ docs/method.md §8): :class:`BudgetControl`, the driver's
 It runs :class:`~megatron_edgc.control.rank_allocation.BudgetRankController` and feeds
 it, at every window end after warm-up: the window's column energies per stage and matrix
 shape (PowerSGD's own spectrum, summed over the job by one all-reduce), with
-``--edgc-budget-weight adam`` the error weights from the optimizer's second moment, and
-with ``--edgc-budget-schedule lr`` a budget scale per window from the LR schedule.
+``--edgc-budget-weight adam`` the error weights from the optimizer's second moment,
+with ``--edgc-budget-schedule lr`` a budget scale per window from the LR schedule, and
+every stage's DP sync time line from the bypass's cost model (the time budget's prices).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def adam_second_moments(optimizer) -> tuple:
 
 
 class BudgetControl(RankControl):
-    """Per-shape DP ranks from a byte budget: a table entry is ``{(n, m): rank}`` of the
+    """Per-shape DP ranks from a time budget: a table entry is ``{(n, m): rank}`` of the
     stage's compressible shapes. Built by :meth:`build`; fed from this rank's DP
     compression (``optimizer``: for the Adam weights, or None; ``lr_at``: step -> LR)."""
 
@@ -79,7 +80,7 @@ class BudgetControl(RankControl):
             if stage_groups[s] is None:
                 stage_groups[s] = [(n, m, c) for (n, m), c in items]
         controller = BudgetRankController(
-            settings, stage_groups, byte_budget=e.byte_budget,
+            settings, stage_groups, time_budget=e.time_budget,
             min_compression_rate=e.min_compression_rate,
             max_step=e.rank_step if e.budget_step_limit == "on" else None)
         dp_compression.track_spectrum(True)
@@ -105,11 +106,25 @@ class BudgetControl(RankControl):
     def _before_decision(self, iteration: int) -> None:
         if self.is_window_end(iteration) and not self.controller.in_warmup:
             self.observe_spectrum()
+            self.price_time()
             self.set_scale(iteration + 1)
 
     def _warmup_ended(self, iteration: int) -> dict:
         self.plan_scales(iteration + 1 + self.settings.window)  # after the r_max window
         return {}
+
+    def price_time(self) -> None:
+        """Window end: every stage's DP sync time line (the bypass's cost model: the link
+        in force, refitted or declared, and the timed math), the slowest replica's (MAX
+        over the job: one all-reduce), to the controller's time budget."""
+        c = self.controller
+        lines = torch.zeros(self.num_stages, 2, dtype=torch.float64)
+        if c.groups[self.stage]:
+            lines[self.stage] = torch.tensor(self.dp_compression.time_line(
+                self.rank_max, self.controller.settings.rank_min), dtype=torch.float64)
+        lines = lines.to(self.device)
+        dist.all_reduce(lines, op=dist.ReduceOp.MAX)
+        c.set_time_line([tuple(row) for row in lines.tolist()])
 
     def _to_ints(self, table: list) -> list:
         """Shape ranks, flattened in every stage's shape order (None for each of a dense

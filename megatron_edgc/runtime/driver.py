@@ -128,7 +128,7 @@ class EdgcDriver:
         """The DP rank controller ``--edgc-controller`` names, with what attaches to it:
         the pipeline rank, DAC (PP > 1) and the calibrated ``g`` (the paper's only)."""
         e = self.cfg.edgc
-        if e.controller == "budget":  # per-shape ranks from a byte budget
+        if e.controller == "budget":  # per-shape ranks from a time budget
             return BudgetControl.build(self.cfg, self.settings, self.dp_compression,
                                        stage=self.stage, num_stages=self.num_stages,
                                        device=self.device, optimizer=optimizer, lr_at=lr_at,
