@@ -69,7 +69,8 @@ SEEDS = [1234, 1235, 1236]
 REPEATS = 2
 EVAL_EVERY = 20
 OURS = ("static r_max", "static r_min", "EDGC", "EDGC budget", "EDGC bf16 dense",
-        "EDGC budget bf16 dense", "EDGC bf16 grads")
+        "EDGC bf16 grads", "EDGC budget @100mbit", "EDGC budget @300mbit",
+        "EDGC budget @1gbit", "EDGC bypass @1gbit", "EDGC bf16 dense overlap")
 TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
 
 
@@ -112,9 +113,31 @@ def modes(iters: int) -> dict:
         "EDGC": (TRAINER, edgc_flags(iters, "paper", paper_warmup=True)),
         "EDGC budget": (TRAINER, edgc_flags(iters, "budget", paper_warmup=True)),
         "EDGC bf16 dense": (TRAINER, edgc_flags(iters, "paper") + BF16_DENSE),
-        "EDGC budget bf16 dense": (TRAINER, edgc_flags(iters, "budget") + BF16_DENSE),
         "EDGC bf16 grads": (TRAINER, edgc_flags(iters, "paper") + BF16_GRADS),
+        # the time budget and the bypass price the link: declared as the one timed, in
+        # the loss run too (on loopback a measured link would be another link)
+        **{f"EDGC budget @{rate}": (TRAINER, edgc_flags(iters, "budget") + BF16_DENSE + [
+            "--edgc-link-gbps", str(LINK_GBPS[rate])]) for rate in RATES},
+        "EDGC bypass @1gbit": (TRAINER, [*edgc_flags(iters, "paper"), *BF16_DENSE,
+                                         "--edgc-bypass", "auto", "--edgc-link-gbps", "1.0"]),
+        # Megatron-LM users reduce during backward: the same math (the loss curve of the
+        # mode without it), timed with megatron-core's default buckets
+        "dense fp32 overlap": (TRAINER, ["--edgc-mode", "off", "--overlap-grad-reduce"]),
+        "EDGC bf16 dense overlap": (TRAINER, edgc_flags(iters, "paper") + BF16_DENSE
+                                    + ["--overlap-grad-reduce"]),
     }
+
+
+#: Timing-only modes: their loss curve is this mode's (the same math).
+LOSS_OF = {"dense fp32 overlap": "dense fp32", "EDGC bf16 dense overlap": "EDGC bf16 dense"}
+
+
+LINK_GBPS = {"100mbit": 0.1, "300mbit": 0.3, "1gbit": 1.0}
+
+
+def on_link(name: str, rate: str) -> bool:
+    """Whether mode ``name`` runs on ``rate`` (a mode named "... @RATE" only there)."""
+    return "@" not in name or name.endswith("@" + rate)
 
 
 def slug(name: str) -> str:
@@ -130,7 +153,7 @@ def base_flags(iters: int, seed: int) -> list:
 def run_losses(out: str, iters: int, only=None) -> None:
     for seed in SEEDS:
         for name, (script, flags) in modes(iters).items():
-            if only and name not in only:
+            if (only and name not in only) or name in LOSS_OF:
                 continue
             run_pretrain(f"{slug(name)}_seed{seed}", base_flags(iters, seed) + flags,
                          os.path.join(out, "loss"), iters, reuse=True, script=script)
@@ -147,7 +170,7 @@ def run_timing(out: str, iters: int, only=None) -> None:
         try:
             for rep in range(REPEATS):
                 for name, (script, flags) in modes(iters).items():
-                    if only and name not in only:
+                    if (only and name not in only) or not on_link(name, rate):
                         continue
                     port += 1
 
@@ -184,9 +207,14 @@ def steady(records, key, start: int):
 
 
 def timing_figures(records) -> dict:
-    """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3."""
-    start = max(3, warmup_end(records) + 2)
+    """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3;
+    and its own warm-up's ms/iter (iterations 3 to its end; None without one), which
+    prices the loss run's warm-up iterations."""
+    end = warmup_end(records)
+    start = max(3, end + 2)
+    warm = [r["iter_ms"] for r in records if 3 <= r["iteration"] <= end]
     return {"iter_ms": steady(records, "iter_ms", start),
+            "warmup_ms": float(numpy.mean(warm)) if len(warm) >= 3 else None,
             "sync_ms": steady(records, "grad_sync_ms", start),
             "mib": steady(records, "dp_bytes_sent_job", start) / 2**20,
             "compress_ms": steady(records, "dp_compress_ms", start)}
@@ -212,6 +240,9 @@ def collect(out: str, loss_iters: int, time_iters: int) -> dict:
                 recs, _ = read_run(path[:-len(".summary.json")] + ".jsonl")
                 timing.setdefault(rate, {}).setdefault(names[mode], []).append(
                     timing_figures(recs))
+    for mode, base in LOSS_OF.items():
+        if base in loss:
+            loss[mode] = loss[base]
     return {"loss": loss, "time": timing}
 
 
@@ -219,11 +250,11 @@ def final_val(records):
     return next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
-def priced(records, ms: float, dense_ms: float) -> list:
+def priced(records, ms: float, warm_ms: float) -> list:
     """The loss run's records with each iteration priced at the link's measured ms/iter
-    (dense fp32's for EDGC's dense warm-up)."""
+    (EDGC's dense warm-up at ``warm_ms``)."""
     warm = warmup_end(records)
-    return [dict(r, iter_ms=dense_ms if r["iteration"] <= warm else ms) for r in records]
+    return [dict(r, iter_ms=warm_ms if r["iteration"] <= warm else ms) for r in records]
 
 
 def target_loss(data: dict):
@@ -250,8 +281,10 @@ def times_to_target(data: dict, rate: str) -> dict:
         vals = []
         for seed, records in sorted(seeds.items()):
             for rep, (fig, dfig) in enumerate(zip(timing[mode], dense)):
-                vals.append(time_to_loss(priced(records, fig["iter_ms"], dfig["iter_ms"]),
-                                         target))
+                # the warm-up at the mode's own measured warm-up (its dense wire), else
+                # (runs recorded before it was kept) at dense fp32's
+                warm_ms = fig.get("warmup_ms") or dfig["iter_ms"]
+                vals.append(time_to_loss(priced(records, fig["iter_ms"], warm_ms), target))
         out[mode] = vals
     return out
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_edgc.compression.bypass import LinkModel, compression_pays, compression_saving_s
+from megatron_edgc.compression.bypass import LinkModel, compressed_sync_s
 from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
 from test_host_sync import one_process_group  # noqa: F401 (a fixture)
 
@@ -30,14 +30,15 @@ def test_break_even_both_sides():
     assert (first, second) == (1024 * 8 + 1, 1024 * 8)
     dense = comp.dense_numel() * FLOAT_BYTES
     slow, fast = LinkModel.declared(1.0, 1e-4), LinkModel.declared(1e4, 1e-4)
-    saving = compression_saving_s(slow, dense, first * 4, second * 4)
+    wire = [first * 4, second * 4]
+    saving = slow.allreduce_s(dense) - compressed_sync_s(slow, wire, 0.0)
     assert saving == pytest.approx(-1e-4 + (dense - (first + second) * 4) * 8e-9)
-    assert compression_pays(slow, dense, first * 4, second * 4, cost_s=1e-3)
-    assert not compression_pays(fast, dense, first * 4, second * 4, cost_s=1e-3)
+    assert compressed_sync_s(slow, wire, 1e-3) < slow.allreduce_s(dense)       # pays
+    assert compressed_sync_s(fast, wire, 1e-3) > fast.allreduce_s(dense)       # does not
     # a bucket with nothing to compress never pays: one more element and no fewer bytes
     tiny = BucketCompressor([("b", (1, 64))], 8)
     f, s = tiny.collective_numels()
-    assert s == 0 and not compression_pays(slow, 64 * 4, f * 4, 0, cost_s=0.0)
+    assert s == 0 and compressed_sync_s(slow, [f * 4], 0.0) > slow.allreduce_s(64 * 4)
 
 
 def test_absorb_residual_hands_the_whole_error_to_the_dense_message():
@@ -64,9 +65,9 @@ def test_absorb_residual_hands_the_whole_error_to_the_dense_message():
 
 def test_each_first_phase_collective_pays_its_latency():
     link = LinkModel(alpha_s=1e-3, s_per_byte=1e-9)
-    one = compression_saving_s(link, 10_000, 600, 400)
-    two = compression_saving_s(link, 10_000, [200, 400], 400)
-    assert one - two == pytest.approx(link.alpha_s)
+    one = compressed_sync_s(link, [600, 400], 0.0)
+    two = compressed_sync_s(link, [200, 400, 400], 0.0)
+    assert two - one == pytest.approx(link.alpha_s)
 
 
 # ---------------------------------------------------------------------- the link follows
@@ -136,8 +137,9 @@ def _link_with_saving(plan, alpha: float, saving_s: float) -> LinkModel:
     """The link on which compressing ``plan``'s bucket saves ``saving_s`` seconds (the
     saving is linear in the per-byte time)."""
     def saving(per_byte):
-        return compression_saving_s(LinkModel(alpha, per_byte), plan.dense_bytes,
-                                    plan.compressor.wire_bytes(), 0)
+        link = LinkModel(alpha, per_byte)
+        return link.allreduce_s(plan.dense_bytes) - \
+            compressed_sync_s(link, plan.compressor.wire_bytes(), 0.0)
 
     return LinkModel(alpha, (saving_s - saving(0.0)) / (saving(1.0) - saving(0.0)))
 

@@ -104,14 +104,16 @@ def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buff
     assert "(bf16 gradients," in open(tmp_path / "static" / "stdout.txt").read()
 
 
-def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(small_model_argv,
+@pytest.mark.parametrize("layout", ["tp1-pp2-dp2", "tp1-pp2-dp2-overlap"])
+def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(layout, small_model_argv,
                                                                       tmp_path):
     """``--edgc-dense-wire bf16`` on fp32 buffers: before compression starts (the warm-up's
     place) each bucket is one bf16 all-reduce, half the bytes of megatron-core's fp32 one;
     compressed, the dense rest joins the bf16 factors: 2 collectives per bucket instead
     of 3, the bytes the shapes give; the replicas stay bit-identical and the loss within
-    0.05 of the fp32 wire's."""
-    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + [
+    0.05 of the fp32 wire's; with --overlap-grad-reduce (several buckets, each synced
+    during backward) too."""
+    base = small_model_argv + LAYOUTS[layout] + [
         "--train-iters", "10", "--edgc-mode", "static", "--edgc-rank", str(RANK),
         "--edgc-start-iter", "4"]
     runs = {}

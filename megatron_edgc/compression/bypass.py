@@ -1,12 +1,15 @@
 """Pay only when it pays: send a bucket dense when compressing it costs more time than the
 bytes it saves (issue 7 §5; EDGC.md leaves it open, the paper assumes a slow link).
 
-A bucket's compressed sync is two all-reduces (``[P | dense rest | flag]`` then ``Q``)
-plus the compression math (``P = MQ``, orthonormalization, ``Q = MᵀP̂``, ``P̂Qᵀ``, the
-residual). Its dense sync is one all-reduce of the whole bucket. With an alpha-beta link
-``t(b) = α + b·β`` measured on the DP group, compression pays when
+A bucket's compressed sync is its collectives (``[P | dense rest | flag]``, or ``[P]`` and
+``[dense rest | flag]`` where they travel in different dtypes, then ``Q``) plus the
+compression math (``P = MQ``, orthonormalization, ``Q = MᵀP̂``, ``P̂Qᵀ``, the residual).
+Its dense sync is one all-reduce of the whole bucket in the dense wire dtype. With an
+alpha-beta link ``t(b) = α + b·β`` measured on the DP group, compression pays when
 
-    t(dense) − t(P part) − t(Q part) > compress + decompress time.
+    t(dense) > Σ t(collective) + compress + decompress time.
+
+The same prices make the budget controller's time budget (one cost model).
 
 The decision is taken from figures reduced (MAX) over the DP group, so every replica
 sends the same way; see :class:`megatron_edgc.patches.ddp.DPGradientCompression`.
@@ -55,21 +58,11 @@ class LinkModel:
         return cls(alpha, beta)
 
 
-def compression_saving_s(link: LinkModel, dense_bytes: float, p_bytes,
-                         q_bytes: float) -> float:
-    """Communication time a compressed sync saves over the dense one (may be negative).
-    ``p_bytes``: the first phase's bytes, or a list of them, one per collective (bf16
-    factors send P and the dense rest apart: each pays its latency)."""
-    firsts = p_bytes if isinstance(p_bytes, (list, tuple)) else [p_bytes]
-    compressed = sum(link.allreduce_s(b) for b in firsts) + \
-        (link.allreduce_s(q_bytes) if q_bytes else 0.0)
-    return link.allreduce_s(dense_bytes) - compressed
-
-
-def compression_pays(link: LinkModel, dense_bytes: float, p_bytes: float, q_bytes: float,
-                     cost_s: float) -> bool:
-    """True when the saved communication time exceeds the compression math's ``cost_s``."""
-    return compression_saving_s(link, dense_bytes, p_bytes, q_bytes) > cost_s
+def compressed_sync_s(link: LinkModel, wire_bytes, math_s: float) -> float:
+    """A compressed sync's time: each of its collectives over ``link`` (``wire_bytes``,
+    one entry per collective: each pays its latency) plus the compression math. The
+    dense sync is ``link.allreduce_s(dense bytes)``; compression pays where it is less."""
+    return sum(link.allreduce_s(b) for b in wire_bytes) + math_s
 
 
 def link_from_collectives(previous: LinkModel, nbytes: Sequence[float],

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.compression.bypass import LinkModel, link_from_collectives
+from megatron_edgc.compression.bypass import (LinkModel, compressed_sync_s,
+                                              link_from_collectives)
 from megatron_edgc.compression.matrices import FLOAT_BYTES
 
 logger = logging.getLogger(__name__)
@@ -183,8 +184,7 @@ class BypassPlanner:
         plan = self.plans[key]
         link = self.links[plan.reduction.process_group]
         comp = plan.compressor if compressor is None else compressor
-        return sum(link.allreduce_s(b) for b in comp.wire_bytes()) + \
-            self.math_seconds(key, rank)
+        return compressed_sync_s(link, comp.wire_bytes(), self.math_seconds(key, rank))
 
     def dense_seconds(self, key: str) -> float:
         """The dense sync of bucket ``key``: one all-reduce in the dense wire dtype."""
