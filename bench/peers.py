@@ -76,15 +76,17 @@ TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
 
 def edgc_flags(iters: int, controller: str, paper_warmup: bool = False) -> list:
     """The paper's defaults scaled: the config's windows for the 200-iteration loss run,
-    the warm-up bounded at 10 % of the run (``--edgc-warmup-max-fraction``' default), or
-    with ``paper_warmup`` at iteration 80 (the config's cap of the first race); for a short
-    timing run, a warm-up of at most a quarter of it and windows of 5."""
+    the dense warm-up bounded at 10 % of the run (``--edgc-warmup-max-fraction``'s
+    default), or with ``paper_warmup`` the warm-up ended at iteration 80 (the config's cap
+    of the first race); for a short timing run, windows of 5 and the bound at a quarter
+    of it (``paper_warmup``: the warm-up ended there)."""
     flags = ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "off",
              "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
     if iters < 100:
         flags += ["--edgc-window", "5", "--edgc-iter-sample-rate", "0.4",
-                  "--edgc-warmup-max-iters", str(max(4, iters // 4)), "--edgc-warmup-windows",
-                  "1"]
+                  "--edgc-warmup-windows", "1"]
+        flags += ["--edgc-warmup-max-iters", str(max(4, iters // 4))] if paper_warmup else \
+            ["--edgc-warmup-max-fraction", "0.25"]
     elif paper_warmup:
         flags += ["--edgc-warmup-max-iters", "80"]
     return flags
@@ -196,8 +198,13 @@ def read_run(path: str):
 
 
 def warmup_end(records) -> int:
-    """The last dense iteration of an EDGC run (0 without a warm-up record)."""
-    return next((r["warmup_end_iter"] for r in records if "warmup_end_iter" in r), 0)
+    """The last dense iteration of an EDGC run (0 without a warm-up record): where its
+    dense part was bounded, that bound; else its warm-up's end."""
+    for key in ("dense_end_iter", "warmup_end_iter"):
+        end = next((r[key] for r in records if r.get(key) is not None), None)
+        if end is not None:
+            return end
+    return 0
 
 
 def steady(records, key, start: int):

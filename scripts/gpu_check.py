@@ -83,6 +83,13 @@ E2E_VARIANTS = {
     # the H200 run of 2026-11-26: EDGC at r_max 64 went NaN at iteration 13 in bf16
     "e2e-gpt2-small-cpu-edgc-bf16grads": ("gpt2-small-cpu", "edgc",
                                           ["--edgc-rank-max", "64", "--grad-reduce-in-bf16"]),
+    # issue 51: the warm-up's dense sync and the dense rest in bf16 on fp32 buffers
+    "e2e-gpt2-small-cpu-edgc-bf16dense": ("gpt2-small-cpu", "edgc",
+                                          ["--edgc-rank-max", "64", "--edgc-dense-wire", "bf16"]),
+    # issue 51: the budget controller's time budget, priced by the bypass's cost model
+    "e2e-gpt2-small-cpu-edgc-timebudget": ("gpt2-small-cpu", "edgc",
+                                           ["--edgc-controller", "budget",
+                                            "--edgc-dense-wire", "bf16"]),
 }
 GLOO4 = {"static-dp": ["--edgc-mode", "static"],
          "edgc-pp": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc",
@@ -357,8 +364,9 @@ class Checklist:
         max_diff = max(diffs) if diffs else None
         resume_ok = resumed["rc"] == 0 and len(diffs) == iters - iters // 2 and \
             max_diff <= (0.02 if self.cuda else 0.0)
-        compressed = [r for r in recs if r.get("dp_bytes_sent_job", 0) <
-                      r.get("dp_bytes_dense_job", 0)]
+        # a rank in force (a dense sync on a narrower wire also sends fewer bytes)
+        compressed = [r for r in recs if any(x is not None for x in
+                                             (r.get("rank_dp") or [r.get("rank")]))]
         d = {"first_loss": first, "last5_loss": last, "nonfinite_iterations": bad,
              "loss_falls": not bad and last < first - drop,
              "resume_max_abs_loss_diff": max_diff, "resume_ok": resume_ok,

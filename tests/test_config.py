@@ -261,17 +261,19 @@ def test_validation_reads_no_file(small_model_argv, tmp_path):
 
 
 def test_warmup_bound_follows_the_run(small_model_argv):
-    """Without --edgc-warmup-max-iters the warm-up ends by the first window end from 10 %
-    of --train-iters; the absolute cap wins where given; fraction 1 is the paper's rule
-    alone (no bound)."""
-    def cap(*extra):
+    """Without --edgc-warmup-max-iters the dense warm-up ends by the first window end from
+    10 % of --train-iters: for the paper controller a bound on the dense part (its rank
+    decisions wait for the stability rule), for the budget controller the warm-up's end;
+    the absolute cap wins where given; fraction 1 is the paper's rule alone."""
+    def bounds(*extra):
         cfg = parse_config(small_model_argv + ["--edgc-mode", "edgc", *extra])
-        return cfg.edgc.warmup_cap(cfg.training.train_iters)
-    assert cap("--train-iters", "200") == 20
-    assert cap("--train-iters", "1001") == 101
-    assert cap("--train-iters", "200", "--edgc-warmup-max-fraction", "0.25") == 50
-    assert cap("--train-iters", "200", "--edgc-warmup-max-iters", "80") == 80
-    assert cap("--train-iters", "200", "--edgc-warmup-max-fraction", "1") is None
+        return cfg.edgc.warmup_bounds(cfg.training.train_iters)
+    assert bounds("--train-iters", "200") == (None, 20)
+    assert bounds("--train-iters", "1001") == (None, 101)
+    assert bounds("--train-iters", "200", "--edgc-controller", "budget") == (20, None)
+    assert bounds("--train-iters", "200", "--edgc-warmup-max-fraction", "0.25") == (None, 50)
+    assert bounds("--train-iters", "200", "--edgc-warmup-max-iters", "80") == (80, None)
+    assert bounds("--train-iters", "200", "--edgc-warmup-max-fraction", "1") == (None, None)
 
 
 def test_edgc_flags_grouped_in_both_parsers():

@@ -42,6 +42,31 @@ def test_warmup_cap():
     assert c.warmup_end_iter == 20 and c.table == [64, 64]
 
 
+def test_dense_bound_compresses_at_r_max_and_decisions_wait_for_stability():
+    """``dense_max_iters``: compression from the first window end at or after it, at r_max,
+    held while the entropy still falls (CQM would lower the rank on the transient); the
+    rank decisions start once the stability rule holds, with H0 from there."""
+    c = make(dense_max_iters=15)
+    # falls 0.05 per iteration for 50 iterations, then flat: windows 6 and 7 are the
+    # first two stable ones (window means sampled every 2nd iteration)
+    h = lambda s, it: -0.05 * min(it, 50) + s
+    tables = drive(c, h, 90)
+    assert all(t == [None, None] for t in tables[:20])       # first window end from 15
+    assert c.dense_end_iter == 20
+    assert all(t == [64, 64] for t in tables[20:81])          # held at r_max, falling
+    assert c.warmup_end_iter == 80 and c.h0 == [-2.5, -1.5]
+    state = c.state_dict()
+    assert state["dense_end_iter"] == 20
+    # a state saved before the bound existed: its dense part ended with its warm-up
+    old = {k: v for k, v in state.items() if k != "dense_end_iter"}
+    fresh = make()
+    fresh.load_state_dict(old)
+    assert fresh.dense_end_iter == 80
+    # without the bound the same stream stays dense to the stability rule
+    plain = make()
+    assert drive(plain, h, 90)[79] == [None, None] and plain.warmup_end_iter == 80
+
+
 def test_ranks_follow_entropy_per_stage_with_step_limit_and_clamps():
     c = make(rank_min=16, warmup_max_iters=10)
     # Stage 0: entropy falls 0.02 nats per window -> rank walks down by the step limit;
@@ -128,6 +153,9 @@ def test_paper_control_loads_a_state_saved_before_the_interface():
     state = control.state_dict()
     assert set(state) <= set(OLD_PAPER_STATE)                     # the old keys, no new ones
     as_saved = json.loads(json.dumps(state))                       # tuples as lists
+    # one key more in each controller: its dense part ended with its warm-up
+    for key in ("controller", "pp_controller"):
+        assert as_saved[key].pop("dense_end_iter") == OLD_PAPER_STATE[key]["warmup_end_iter"]
     assert as_saved == {k: OLD_PAPER_STATE[k] for k in state}
     # DAC off: its keys of an old checkpoint are ignored, none written
     plain = make_paper_control(pipeline=False, dac=False)

@@ -76,7 +76,8 @@ def test_the_plan_follows_modes_configs_and_the_gpu_count(tmp_path):
     first, pool, last = plan(1, ["gpt2-small-cpu"])
     assert first == ["install", "data"] and last == ["kernels"]
     assert pool == ["unit", "e2e-gpt2-small-cpu-static", "e2e-gpt2-small-cpu-edgc",
-                    "e2e-gpt2-small-cpu-edgc-bf16grads", "gloo4-static-dp-cpu-tensors",
+                    "e2e-gpt2-small-cpu-edgc-bf16grads", "e2e-gpt2-small-cpu-edgc-bf16dense",
+                    "e2e-gpt2-small-cpu-edgc-timebudget", "gloo4-static-dp-cpu-tensors",
                     "gloo4-edgc-pp-cpu-tensors", "plugin-static", "plugin-static-bf16grads",
                     "plugin-edgc", "plugin-edgc-bf16grads", "sync"]
     _, pool, _ = plan(4, ["tiny-cpu"])

@@ -112,10 +112,12 @@ class EdgcConfig:
     warmup_max_iters: Optional[int] = knob(None, "end warm-up here at the latest (default: "
                                                  "--edgc-warmup-max-fraction of the run)",
                                            min=1, group="controller")
-    warmup_max_fraction: float = knob(0.1, "without --edgc-warmup-max-iters, end warm-up at "
-                                           "the first window end at or after this fraction "
-                                           "of --train-iters at the latest (1: no bound, the "
-                                           "paper's setting: the stability rule alone)",
+    warmup_max_fraction: float = knob(0.1, "without --edgc-warmup-max-iters, the dense "
+                                           "warm-up ends at the latest at the first window "
+                                           "end from this fraction of --train-iters: "
+                                           "compression runs at r_max from there, and the "
+                                           "paper controller's rank decisions wait for the "
+                                           "stability rule (1: no bound, the paper's setting)",
                                       min=0.0, max=1.0, min_exclusive=True,
                                       group="controller")
     entropy: str = knob("gaussian", "entropy estimator", choices=("gaussian", "histogram"),
@@ -206,14 +208,18 @@ class EdgcConfig:
             raise ConfigError("--edgc-pp-compression", "edgc needs --edgc-mode edgc (the "
                                                        "window machinery); use static otherwise")
 
-    def warmup_cap(self, train_iters: int) -> Optional[int]:
-        """The iteration by which the warm-up ends at the latest: ``warmup_max_iters``
-        where given, else ``warmup_max_fraction`` of the run (None: no bound)."""
+    def warmup_bounds(self, train_iters: int) -> tuple:
+        """``(warmup_max_iters, dense_max_iters)`` of the controller: ``warmup_max_iters``
+        where given ends the warm-up there; else ``warmup_max_fraction`` of the run bounds
+        its dense part, and the paper controller's rank decisions still wait for the
+        stability rule (the budget controller decides from measured residuals, not the
+        entropy: its warm-up ends there). ``(None, None)``: the stability rule alone."""
         if self.warmup_max_iters is not None:
-            return self.warmup_max_iters
-        if self.warmup_max_fraction < 1.0:
-            return max(1, math.ceil(self.warmup_max_fraction * train_iters))
-        return None
+            return self.warmup_max_iters, None
+        if self.warmup_max_fraction >= 1.0:
+            return None, None
+        bound = max(1, math.ceil(self.warmup_max_fraction * train_iters))
+        return (bound, None) if self.controller == "budget" else (None, bound)
 
     @property
     def dac_active(self) -> bool:

@@ -10,7 +10,11 @@ the same stream holds the same table. Pure Python: no process groups, no megatro
   stage is compared with the previous window's; after ``warmup_windows`` consecutive
   windows in which every stage moved by less than ``warmup_eps`` nats (or at
   ``warmup_max_iters``) compression starts at ``r0 = r_max`` with ``H0`` the current
-  window's mean.
+  window's mean. ``dense_max_iters`` bounds the dense part alone: from the first window
+  end at or after it, compression runs at ``r_max`` while the rank decisions still wait
+  for the stability rule (CQM's entropy-to-rank model holds once the entropy's early
+  transient is over; a bounded warm-up that let it act while the entropy still fell
+  lowered the rank and cost loss, BENCHMARKS.md "The loss–bytes plane").
 * Windows: at each window end ``H1`` = the window's mean → CQM rank
   (:meth:`RankModel.next_rank`); ``H0, r0`` move only when the rank actually changes, so
   slow drifts accumulate. The new table applies from the next iteration.
@@ -38,6 +42,7 @@ class ControllerSettings:
     warmup_eps: float = 0.01
     warmup_windows: int = 2
     warmup_max_iters: Optional[int] = None
+    dense_max_iters: Optional[int] = None   # the dense part's bound (module docstring)
 
     def __post_init__(self):
         if self.rank_min is None:
@@ -62,6 +67,7 @@ class RankController:
         self.num_stages = len(self.rank_models)
         self.in_warmup = True
         self.warmup_end_iter: Optional[int] = None
+        self.dense_end_iter: Optional[int] = None   # compression from here (r_max)
         self.window_index = 0
         self.window_samples: list[list[float]] = [[] for _ in range(self.num_stages)]
         self.window_means: list[list[float]] = []      # history, one row per window
@@ -113,9 +119,19 @@ class RankController:
         if self.stable_windows >= st.warmup_windows or capped:
             self.in_warmup = False
             self.warmup_end_iter = iteration + 1
-            self.table = [st.rank_max] * self.num_stages
+            if self.dense_end_iter is None:
+                self.dense_end_iter = iteration + 1
+                self.table = self._first_table()
             self.r0 = [st.rank_max] * self.num_stages
             self.h0 = list(means)
+        elif st.dense_max_iters is not None and iteration + 1 >= st.dense_max_iters and \
+                self.dense_end_iter is None:
+            self.dense_end_iter = iteration + 1
+            self.table = self._first_table()
+
+    def _first_table(self) -> list:
+        """The table compression starts with: ``r_max`` on every stage."""
+        return [self.settings.rank_max] * self.num_stages
 
     def _rank_step(self, means: list) -> None:
         st = self.settings
@@ -137,6 +153,7 @@ class RankController:
     def state_dict(self) -> dict:
         return copy.deepcopy({
             "in_warmup": self.in_warmup, "warmup_end_iter": self.warmup_end_iter,
+            "dense_end_iter": self.dense_end_iter,
             "window_index": self.window_index, "window_samples": self.window_samples,
             "window_means": self.window_means, "stable_windows": self.stable_windows,
             "table": self.table, "h0": self.h0, "r0": self.r0})
@@ -147,3 +164,5 @@ class RankController:
                              f"{self.num_stages}")
         for key, value in copy.deepcopy(state).items():
             setattr(self, key, value)
+        if "dense_end_iter" not in state:   # saved before the dense bound existed
+            self.dense_end_iter = self.warmup_end_iter

@@ -230,10 +230,9 @@ class BudgetRankController(RankController):
         width = sum(c * (n + m) for n, m, c, _ in self.groups[stage])
         return self.bytes_of(stage, table) / (width * FLOAT_BYTES) if width else 0.0
 
-    def _warmup_step(self, iteration: int, means: list) -> None:
-        super()._warmup_step(iteration, means)
-        if not self.in_warmup:  # measure every curve fully in the first window
-            self.table = [self.full_table(s) for s in range(self.num_stages)]
+    def _first_table(self) -> list:
+        """Every shape at its largest allowed rank: the first window measures every curve."""
+        return [self.full_table(s) for s in range(self.num_stages)]
 
     def observe_spectrum(self, stage_spectra: Sequence[Sequence[Optional[tuple]]],
                          weights: Optional[Sequence[Optional[list]]] = None) -> None:

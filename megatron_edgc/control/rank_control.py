@@ -158,6 +158,8 @@ class RankControl(ABC):
         record = {"edgc_warmup": self.controller.in_warmup}
         if self.controller.warmup_end_iter is not None:
             record["warmup_end_iter"] = self.controller.warmup_end_iter
+        if self.controller.dense_end_iter is not None:   # compression from here on
+            record["dense_end_iter"] = self.controller.dense_end_iter
         if self.alignment is not None:
             record.update(self.alignment.record())
         return record

@@ -91,7 +91,8 @@ class EdgcDriver:
             window=e.window, iter_sample_rate=e.iter_sample_rate, rank_max=e.rank_max,
             rank_min=e.rank_min, rank_step=e.rank_step, warmup_eps=e.warmup_eps,
             warmup_windows=e.warmup_windows,
-            warmup_max_iters=e.warmup_cap(cfg.training.train_iters))
+            **dict(zip(("warmup_max_iters", "dense_max_iters"),
+                       e.warmup_bounds(cfg.training.train_iters))))
         # PP rank controller (EDGC §7): one rank for every backward send, its own stream.
         pipeline, self.pp_entropy = None, None
         if p2p is not None and e.pp_compression == "edgc":
