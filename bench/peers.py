@@ -20,9 +20,16 @@ put on the wire by ``bf16_compress_hook`` (the bytes of Megatron-LM's
   averaged every 8 steps (torchft's DiLoCo needs its lighthouse server and a Manager per
   replica group: not tried here);
 * ``static r_max``, ``static r_min``: this product's PowerSGD at a fixed rank;
-* ``EDGC``: the paper's controller; ``EDGC budget``: the budget controller
-  (``--edgc-controller budget``). Both with the bypass off (their decisions fixed, the same
-  on every link: the bypass would follow the link and the loss curve with it).
+* ``EDGC``, ``EDGC budget``: the first race's (2026-11-25): the paper's controller and the
+  budget controller after the paper's warm-up (fp32 dense to iteration 80), the bypass off;
+* ``EDGC bf16 dense``: the paper controller, the dense warm-up bounded at 10 % of the run
+  and in bf16 (``--edgc-dense-wire bf16``, the dense rest too); ``EDGC bf16 dense overlap``
+  the same with ``--overlap-grad-reduce`` (timed only: the same math, its loss curve);
+* ``EDGC budget @RATE``: the time budget priced on that link, declared (the loss run's
+  decisions then follow the link it is timed on: only on that link);
+* ``EDGC bypass @1gbit``: the paper controller with the bypass on, link declared;
+* ``EDGC bf16 grads``: bf16 mixed precision with ``--grad-reduce-in-bf16`` (its fair peer
+  is bf16 on the wire); the only mode not trained in fp32.
 
 Two kinds of runs, composed:
 
@@ -32,7 +39,9 @@ Two kinds of runs, composed:
 2. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
    rank, bench/netns.py): each mode ``--time-iters`` iterations (40), 2 repetitions, its
    steady ms/iter (after its warm-up; EDGC's windows scaled to the short run), DP sync and
-   bytes. EDGC's dense warm-up iterations of the loss run are priced at dense fp32's ms/iter.
+   bytes. EDGC's dense warm-up iterations of the loss run are priced at the mode's own
+   measured warm-up ms/iter (iterations 3 to its end; dense fp32's for runs recorded
+   before that was kept).
 
 Time to target: the target is the worst final validation loss of the two dense modes
 (fp32 and bf16 wire) over the seeds; each mode's time is its loss run's iterations priced
@@ -389,7 +398,8 @@ def main() -> int:
                    "timing": data["time"],
                    "final_val": {m: {s: final_val(r) for s, r in v.items()}
                                  for m, v in data["loss"].items()}}, fh, indent=1)
-    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4, fp32 training for every mode (why: "
+    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4, fp32 training for every mode but "
+            f"EDGC bf16 grads (why: "
             f"bench/peers.py's docstring); r_max {R_MAX}, r_min {R_MIN}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, SEEDS))}, an evaluation "
             f"every {EVAL_EVERY}, on loopback. Timing: {args.time_iters} iterations per link "
