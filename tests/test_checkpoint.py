@@ -1,6 +1,7 @@
 """Checkpoint-resume exactness through the real command line (plain launch, 4 processes)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -32,7 +33,10 @@ def pretrain(argv, timeout=300):
      "--global-batch-size", "16", "--edgc-mode", "edgc", "--edgc-window", "2",
      "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8", "--edgc-warmup-max-iters", "4",
      "--edgc-dac", "off", "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "8"],
-    # the budget controller: the checkpoint at 5 falls inside its first measured window
+    # the budget controller: the checkpoint at 5 falls inside its first measured window; its
+    # time budget is priced by measurement at warm-up end (iteration 4), so two jobs differ
+    # as DAC's would: the measured prices are checkpointed, and the job resumed from the
+    # uninterrupted run's own checkpoint must continue it exactly
     ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
      "--edgc-mode", "edgc", "--edgc-controller", "budget", "--edgc-time-budget", "0.5",
      "--edgc-window", "2", "--edgc-iter-sample-rate", "1.0", "--edgc-rank-max", "8",
@@ -60,6 +64,10 @@ def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_p
                      "--exit-interval", "5"])
     assert [r["iteration"] for r in read_jsonl(first)] == [1, 2, 3, 4, 5]
     resumed = str(tmp_path / "resumed.jsonl")
+    measured_prices = "budget" in variant
+    if measured_prices:   # the uninterrupted run's iteration 5 in place of the first's
+        shutil.rmtree(tmp_path / "ck" / "iter_0000005")
+        shutil.copytree(tmp_path / "ck_full" / "iter_0000005", tmp_path / "ck" / "iter_0000005")
     out = pretrain(base + ["--metrics-file", resumed, "--load", str(tmp_path / "ck"),
                            "--save", str(tmp_path / "ck"), "--save-interval", "5"])
     assert "resumed from" in out.stdout

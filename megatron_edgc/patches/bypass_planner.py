@@ -170,6 +170,29 @@ class BypassPlanner:
         if self.cost_model is None:
             self.cost_model = self._measure_cost_model(rank)
 
+    # -------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict:
+        """The measured models (links in :meth:`process_groups` order, the math's ``a, b``
+        per bucket), so that a resumed run prices as the uninterrupted one."""
+        return {"links": [None if pg not in self.links else
+                          [self.links[pg].alpha_s, self.links[pg].s_per_byte]
+                          for pg, _ in self.process_groups()],
+                "cost_model": None if self.cost_model is None else
+                {k: list(v) for k, v in self.cost_model.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        groups = self.process_groups()
+        if len(state.get("links", [])) == len(groups):
+            for (pg, _), saved in zip(groups, state["links"]):
+                if saved is not None:
+                    self.links[pg] = LinkModel(*saved)
+            if groups and groups[0][0] in self.links:
+                self.link = self.links[groups[0][0]]
+        cost = state.get("cost_model")
+        if cost is not None and set(cost) == set(self.plans):
+            self.cost_model = {k: tuple(v) for k, v in cost.items()}
+
     # -------------------------------------------------------- the one cost model
 
     def math_seconds(self, key: str, rank: float) -> float:

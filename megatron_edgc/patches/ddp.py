@@ -338,12 +338,15 @@ class DPGradientCompression:
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "fallen_back": sorted(self.fallen_back),
-                "buckets": {k: p.compressor.state_dict() for k, p in self.plans.items()}}
+                "buckets": {k: p.compressor.state_dict() for k, p in self.plans.items()},
+                "cost_model": self.planner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             self.set_rank(state["rank"])
         self.fallen_back = frozenset(state.get("fallen_back", ())) & frozenset(self.plans)
+        if "cost_model" in state:   # the measured link and math: priced as before
+            self.planner.load_state_dict(state["cost_model"])
         for key, plan in self.plans.items():
             if key not in state["buckets"]:
                 logger.warning("no compressor state for %s in the checkpoint: starting fresh", key)

@@ -111,6 +111,7 @@ class BudgetControl(RankControl):
 
     def _warmup_ended(self, iteration: int) -> dict:
         self.plan_scales(iteration + 1 + self.settings.window)  # after the r_max window
+        self.price_time()   # measured here (and checkpointed with the DP compression)
         return {}
 
     def price_time(self) -> None:
