@@ -105,9 +105,11 @@ def test_budget_controller_shares_one_shape_table_and_moves_below_r_max(weight,
     assert max(r["dp_bytes_sent_job"] for r in later) < 0.8 * records[9]["dp_bytes_sent_job"]
     states = [r["controller"] for r in results]
     assert all(s == states[0] for s in states)
-    # the time budget priced by the bypass's cost model: a measured link and timed math,
-    # the same on every rank; fixed costs take bytes off the budget's fraction
-    assert all(x > 0 for x in states[0]["fixed_ratio"])
+    # the time budget priced by the bypass's cost model: a measured link and timed math
+    # on every rank (checkpointed with the compression), one fixed ratio per stage
+    assert all(r["compression"]["cost_model"]["cost_model"] and
+               None not in r["compression"]["cost_model"]["links"] for r in results)
+    assert len(states[0]["fixed_ratio"]) == 2 and all(x >= 0 for x in states[0]["fixed_ratio"])
     if weight == "elements":
         assert states[0]["weights"] == [None, None]
     else:

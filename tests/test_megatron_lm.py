@@ -123,21 +123,25 @@ def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
     return out, losses, read_records(metrics)
 
 
-def stage_bytes(rank, embedding_apart: bool = False) -> list:
+def stage_bytes(rank, embedding_apart: bool = False, dense_bytes: int = 4) -> list:
     """DP bytes one replica of each stage sends at ``rank`` (None: dense), from the shapes:
-    (n+m) r bf16 elements per compressed matrix, the rest dense in fp32, one fp32 flag per
-    bucket (one bucket; ``embedding_apart``: the shared word embedding in a bucket of its
-    own, as megatron-core lays it out for the distributed optimizer)."""
+    (n+m) r bf16 elements per compressed matrix, the rest dense at ``dense_bytes`` (fp32;
+    bf16 buffers: 2), one flag per bucket (one bucket; ``embedding_apart``: the shared word
+    embedding in a bucket of its own, as megatron-core lays it out for the distributed
+    optimizer)."""
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
                         max_position_embeddings=64, make_vocab_size_divisible_by=128)
     model.resolve()
     parallel = ParallelConfig(pipeline_model_parallel_size=2, data_parallel_size=2)
     stages = stage_param_shapes(model, parallel, vocab_size=1001)   # + EOD
-    if not embedding_apart:
-        return [compressed_bucket_bytes(shapes, rank) for shapes in stages]  # bf16 factors
+    if not embedding_apart:   # bf16 factors
+        return [compressed_bucket_bytes(shapes, rank, dense_bytes=dense_bytes)
+                for shapes in stages]
     embedding = (1024, 64)
-    return [compressed_bucket_bytes([s for s in shapes if tuple(s) != embedding], rank)
-            + compressed_bucket_bytes([embedding], rank) for shapes in stages]
+    return [compressed_bucket_bytes([s for s in shapes if tuple(s) != embedding], rank,
+                                    dense_bytes=dense_bytes)
+            + compressed_bucket_bytes([embedding], rank, dense_bytes=dense_bytes)
+            for shapes in stages]
 
 
 @pytest.fixture(scope="module")
@@ -548,7 +552,9 @@ def test_grad_reduce_in_bf16_job(megatron_lm, tmp_path):
     def want(ranks):
         if not any(ranks or []):   # dense warm-up: Megatron's bf16 reduction, half of fp32's
             return sum(stage_bytes(None)), 0
-        return 2 * sum(stage_bytes(r, embedding_apart=True)[s] for s, r in enumerate(ranks)), 0
+        # the dense rest travels as the buffers do, in bf16, with the factors
+        return 2 * sum(stage_bytes(r, embedding_apart=True, dense_bytes=2)[s]
+                       for s, r in enumerate(ranks)), 0
 
     out, _ = _check_model_job(megatron_lm, tmp_path, ["--grad-reduce-in-bf16"], EDGC_DP, want,
                               compare_off=False)
