@@ -136,8 +136,7 @@ class DPGradientCompression:
                 for bi, bucket in enumerate(group.buckets):
                     require_attributes(bucket, BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
-                    dense_dtype = bucket.grad_data.dtype if dense_wire == "grad" else \
-                        DENSE_WIRE_DTYPES[dense_wire]
+                    dense_dtype = DENSE_WIRE_DTYPES.get(dense_wire, bucket.grad_data.dtype)
                     plans.append(BucketPlan.build(
                         key, bucket, reduction, bucket_matrices(bucket, names, stacked),
                         [(names[p], p) for p in bucket.params_list], rank or 1,
