@@ -81,7 +81,7 @@ def orthonormal_stand_in(n: int, r: int, device) -> torch.Tensor:
     basis = _FILLS.get(key)
     if basis is None:
         basis = _FILLS[key] = torch.linalg.qr(orthonormal_fill(n, r, "cpu").double())[0] \
-            .float().to(device)
+            .float().contiguous().to(device)
     return basis
 
 
