@@ -11,7 +11,7 @@ from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.patches import ddp
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.megatron_buckets import Reduction, megatron_sync_bytes
-from rounding import assert_within_rounding, unit_roundoff
+from rounding import assert_within_rounding, two_paths_bound
 from test_host_sync import fake_ddp_chunk, one_process_group  # noqa: F401 (a fixture)
 
 # ---------------------------------------------------------------------- slow hop vs flat
@@ -60,19 +60,15 @@ def run_in_lockstep(strategies: list) -> None:
 
 
 def slow_hop_rounding_bound(factor_dtype: torch.dtype, step: int, inner: int) -> float:
-    """How far two correct paths may drift apart after ``step + 1`` steps (relative,
-    Frobenius). Each product's rounding differs between kernels by at most ``γ_k ≈ k u``
-    componentwise, ~``√k u`` in norm for these well-spread matrices (``inner``: the
-    longest inner dimension); one element of a factor rounded to the factor dtype on the
-    other side of a tie changes it by ``u_f``. The error feedback carries a step's
-    difference into the next, so the bound grows with the steps. Factor 8 of margin: the
-    measured drift (AMD EPYC, the product ``M P^`` with ``P^`` row- against column-major,
-    issue 59) was 1.6e-7 / 3.8e-7 / 5.4e-7 in fp32 and up to 5.3e-4 with bf16 factors,
-    against bounds of 5.2e-6 / 1.0e-5 / 1.6e-5 and 1.6e-2 / 3.1e-2 / 4.7e-2. A wrong
-    side, a lost residual or a wrong factor differ by O(1) (checked with broken variants)."""
-    u32, uf = unit_roundoff(torch.float32), unit_roundoff(factor_dtype)
-    per_step = inner ** 0.5 * u32 + (uf if factor_dtype != torch.float32 else u32)
-    return 8 * (step + 1) * per_step
+    """How far the two strategies may drift apart after ``step + 1`` steps (relative,
+    Frobenius): :func:`rounding.two_paths_bound` (each product's rounding differs between
+    kernels by ~``√k u`` in norm, a factor rounded on the other side of a tie by ``u_f``,
+    the error feedback carries a step's difference into the next; margin 8). The measured
+    drift (AMD EPYC, ``M P^`` with ``P^`` row- against column-major, issue 59) was 1.6e-7 /
+    3.8e-7 / 5.4e-7 in fp32 and up to 5.3e-4 with bf16 factors, against bounds of 5.2e-6 /
+    1.0e-5 / 1.6e-5 and 3.1e-2 / 6.3e-2 / 9.4e-2. A wrong side, a lost residual or a wrong
+    factor differ by O(1) (0.72-1.23: checked with broken variants)."""
+    return two_paths_bound(inner, step + 1, factor_dtype)
 
 
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
