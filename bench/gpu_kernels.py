@@ -153,7 +153,7 @@ def floor_rows(shapes, args, device, peaks) -> list:
             for grad in args.grad_dtypes:
                 for ef in args.ef_dtypes:
                     methods = [m for m in args.methods
-                               if m == "after" or (ef == "fp32" and grad == "fp32")]
+                               if m != "before" or (ef == "fp32" and grad == "fp32")]
                     if not methods:
                         continue
                     r = compare(shapes, rank, device, peaks, repeats=args.repeats,
@@ -277,9 +277,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-ops", action="store_true", help="skip the per-kernel breakdown")
-    ap.add_argument("--methods", nargs="*", default=["before", "after"],
-                    choices=["before", "after"],
-                    help="steps of the floor table (none: skip it): before/after issue 33")
+    ap.add_argument("--methods", nargs="*", default=["before", "fp32-gram", "after"],
+                    choices=["before", "fp32-gram", "after"],
+                    help="steps of the floor table (none: skip it): before issue 33, "
+                         "before issue 56 (its fp32 Gram matrices), today's")
     ap.add_argument("--ef-dtypes", nargs="+", default=["fp32", "bf16"],
                     choices=list(FACTOR_DTYPES), help="error-feedback dtypes of 'after'")
     ap.add_argument("--grad-dtypes", nargs="+", default=["fp32", "bf16"],

@@ -18,11 +18,22 @@ from collections import Counter
 import torch
 
 from bench.roofline import floor_ms, step_floor
+from bench.orthonormal_before import fp32_gram_orthonormalize
 from bench.step_before import BeforeBucketCompressor, householder_orthonormalize
 from megatron_edgc.compression.powersgd import BucketCompressor, orthonormalize
 
+
+class Fp32GramBucketCompressor(BucketCompressor):
+    """Today's step with the orthonormalization of before issue 56 (fp32 Gram matrices)."""
+
+    orthonormalize = staticmethod(fp32_gram_orthonormalize)
+
+
+#: ``before``: the step of before issue 33; ``fp32-gram``: today's step with the
+#: orthonormalization of before issue 56; ``after``: today's.
 METHODS = {"after": (BucketCompressor, orthonormalize),
-           "before": (BeforeBucketCompressor, householder_orthonormalize)}
+           "before": (BeforeBucketCompressor, householder_orthonormalize),
+           "fp32-gram": (Fp32GramBucketCompressor, fp32_gram_orthonormalize)}
 
 
 class Timer:
@@ -93,7 +104,7 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
     cls, orth = METHODS[method]
     device = torch.device(device)
     entries = [(f"p{i}", s) for i, s in enumerate(shapes)]
-    kwargs = {"ef_dtype": ef_dtype} if method == "after" else {}
+    kwargs = {"ef_dtype": ef_dtype} if method != "before" else {}
     comp = cls(entries, rank, min_compression_rate=min_compression_rate, seed=0, device=device,
                factor_dtype=factor_dtype, **kwargs)
     buf, grads = flat_grads(shapes, device, grad_dtype)
@@ -162,7 +173,7 @@ def compare(shapes, rank: int, device, peaks: dict, *, repeats: int, warmup: int
     for method in methods:
         runs[method] = time_method(method, shapes, rank, device, repeats=repeats,
                                    warmup=warmup, factor_dtype=factor_dtype,
-                                   ef_dtype=ef_dtype if method == "after" else torch.float32,
+                                   ef_dtype=ef_dtype if method != "before" else torch.float32,
                                    grad_dtype=grad_dtype,
                                    min_compression_rate=min_compression_rate)
     groups = runs[methods[-1]]["groups"]

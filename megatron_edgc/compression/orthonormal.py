@@ -1,4 +1,4 @@
-"""Orthonormal columns of a batch of factors: batched shifted CholeskyQR3 with a
+"""Orthonormal columns of a batch of factors: batched shifted CholeskyQR3 in fp64 with a
 null-space fill, deterministic and free of host syncs (EDGC §1's ``orth``)."""
 
 from __future__ import annotations
@@ -9,19 +9,34 @@ import torch
 
 from megatron_edgc.compression.matrices import seeded_gaussian
 
-#: The diagonal shift of the first two CholeskyQR passes: at least GRAM_SHIFT (relative
-#: to a unit column), and at least GRAM_ROUNDING times the Gram matrix's Frobenius norm.
-#: fp32 rounding perturbs a Gram in proportion to its norm, which nearly collinear columns
-#: raise to ~r (``P`` of a gradient with one dominant direction, as early in training): on
-#: the H200 a Gram of norm 61.6 came out with an eigenvalue of -1.35e-5 (2.2e-7 of its
-#: norm), below the absolute 1e-5, and cuSOLVER's Cholesky gave NaN (issue 50).
+#: The working dtype of the orthonormalization. In fp32 the Gram ``xᵀx`` of ``n`` rows is
+#: off by up to ``r γ_n`` of its norm, which no shift can absorb at the widths users train
+#: (:func:`cholesky_safe_shift` is 4.0 at ``n = 50304, r = 256``): GPT-2 medium's factors
+#: failed on an H100 within 25-40 iterations (issue 56). In fp64 the same bound is 7.5e-9,
+#: and fp64 products are never TF32, whatever ``NVIDIA_TF32_OVERRIDE`` says.
+WORK_DTYPE = torch.float64
+#: The span's threshold: the first two passes shift the Gram of unit columns by this, so a
+#: direction of ``P`` below ~1e-5 of its norm counts as missing and is filled (step 3).
 GRAM_SHIFT = 1e-5
-GRAM_ROUNDING = 1e-6
 #: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
 #: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
 ORTHOGONALITY_BOUND = 1e-5
 
 _FILLS: dict = {}
+
+
+def cholesky_safe_shift(n: int, r: int, dtype: torch.dtype = WORK_DTYPE) -> float:
+    """The diagonal shift, relative to the Gram's largest diagonal entry ``d``, above which
+    the Cholesky factorization of a Gram ``xᵀx`` of ``n`` rows and ``r`` columns computed
+    in ``dtype`` succeeds by construction, whatever ``x`` (rank-deficient included).
+
+    The computed Gram is off by ``|E_ij| <= γ_n ‖x_i‖ ‖x_j‖``, so its eigenvalues by at
+    most ``r γ_n d`` (``γ_n = n u / (1 - n u)``, any summation order: cuBLAS's, LAPACK's);
+    Cholesky completes where ``λ_min > 20 r^{3/2} u ‖A‖₂`` (Demmel 1989; Higham, *Accuracy
+    and Stability*, Thm 10.7), ``‖A‖₂ <= r d``. Twice the sum of both."""
+    u = torch.finfo(dtype).eps / 2
+    gamma = n * u / (1 - n * u) if n * u < 1 else float("inf")
+    return 2 * (r * gamma + 20 * r ** 2.5 * u)
 
 
 def orthonormal_fill(n: int, r: int, device) -> torch.Tensor:
@@ -36,9 +51,21 @@ def orthonormal_fill(n: int, r: int, device) -> torch.Tensor:
     return fill
 
 
+def orthonormal_stand_in(n: int, r: int, device) -> torch.Tensor:
+    """A fixed orthonormal ``[n, r]`` in fp32, row-major (the fill, orthonormalized once
+    per shape), the basis of a matrix whose factorization failed."""
+    key = (n, r, str(device), "orthonormal")
+    basis = _FILLS.get(key)
+    if basis is None:
+        basis = _FILLS[key] = torch.linalg.qr(orthonormal_fill(n, r, "cpu").double())[0] \
+            .float().contiguous().to(device)
+    return basis
+
+
 class _IeeeFp32Matmul:
-    """fp32 products without TF32 inside (a Gram matrix in TF32 loses the small singular
-    values CholeskyQR depends on); restores the caller's setting. A host flag, no sync."""
+    """fp32 products without TF32 inside; restores the caller's setting. A host flag, no
+    sync. (The Grams are fp64 and never TF32; this keeps the fp32 products that form the
+    basis at fp32's rounding where PyTorch decides it.)"""
 
     def __enter__(self):
         matmul = torch.backends.cuda.matmul
@@ -58,94 +85,100 @@ class _IeeeFp32Matmul:
             matmul.allow_tf32 = self.saved
 
 
-def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """``x R⁻¹`` with ``RᵀR = xᵀx + s·I`` (``s = max(GRAM_SHIFT, GRAM_ROUNDING·‖xᵀx‖_F)``
-    where ``shifted``, else 0), batched: one Gram ``bmm``, a batched Cholesky (no error
-    check: no host sync), ``R⁻¹`` from a triangular solve on ``[k, r, r]`` and one ``bmm``
-    to apply it. Seven operators: on a GPU the orthonormalization is bound by their
-    launches, not by its flops."""
-    gram = torch.bmm(x.transpose(1, 2), x)
-    if shifted:
-        norm = torch.linalg.vector_norm(gram, dim=(1, 2), keepdim=True)
-        gram = torch.addcmul(gram, norm.clamp_min_(GRAM_SHIFT / GRAM_ROUNDING), eye,
-                             value=GRAM_ROUNDING)
-    lower = torch.linalg.cholesky_ex(gram).L
-    lower_inv = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
-    return torch.bmm(x, lower_inv.transpose(1, 2))
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """``xᵀx`` in fp64 (fp32 products are exact in fp64: only the sums round)."""
+    x = x.to(WORK_DTYPE)
+    return torch.bmm(x.transpose(1, 2), x)
 
 
-def orthonormal_stand_in(n: int, r: int, device) -> torch.Tensor:
-    """A fixed orthonormal ``[n, r]`` (the fill, orthonormalized once per shape), the
-    basis of a matrix whose factorization failed."""
-    key = (n, r, str(device), "orthonormal")
-    basis = _FILLS.get(key)
-    if basis is None:
-        basis = _FILLS[key] = torch.linalg.qr(orthonormal_fill(n, r, "cpu").double())[0] \
-            .float().contiguous().to(device)
-    return basis
+def _shifted_cholesky_inverse(gram: torch.Tensor, eye: torch.Tensor, span_shift: float,
+                              safe_shift: float) -> tuple:
+    """``(L⁻¹, s)`` with ``L Lᵀ = gram + s·I``, ``s = span_shift + safe_shift·max_i
+    gram_ii`` (``[k, 1, 1]``): a batched Cholesky (no error check, no host sync; it succeeds
+    by :func:`cholesky_safe_shift`) and a triangular solve, on ``[k, r, r]``."""
+    shift = gram.diagonal(dim1=1, dim2=2).amax(dim=1).mul(safe_shift).add_(span_shift)
+    shift = shift.view(-1, 1, 1)
+    lower = torch.linalg.cholesky_ex(torch.addcmul(gram, shift, eye)).L
+    return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False), shift
 
 
 def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
                    trace: Optional[Callable[[str, torch.Tensor], None]] = None,
                    stood_in: Optional[list] = None) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` ([k, n, r] batched, or one [n, r]), in fp32.
+    """Orthonormal columns spanning ``p`` ([k, n, r] batched, or one [n, r]), in fp32,
+    row-major.
 
-    Batched shifted CholeskyQR3 (Fukaya et al., SISC 2020) with a null-space fill: no
-    per-matrix loop, no ``torch.linalg.qr``, no host sync, no TF32, deterministic (every DP
-    replica gets the same bits):
+    Shifted CholeskyQR3 (Fukaya et al., SISC 2020) with a null-space fill, batched, its
+    Gram matrices, Cholesky factors and ``[r, r]`` algebra in fp64: no per-matrix loop, no
+    ``torch.linalg.qr``, no host sync, deterministic (every DP replica gets the same
+    bits). Every factorization succeeds by construction on finite input: each shift is
+    above :func:`cholesky_safe_shift` of the Gram's rows and rank (in fp64; in fp32 no
+    shift could be, at these widths: issue 56).
 
-    1. each matrix is scaled by its largest element (no overflow in the norms), then each
-       column to unit norm: a spectrum that decays from column to column (warm-started
-       PowerSGD's ``P``) becomes well conditioned, and the span is unchanged;
-    2. two CholeskyQR passes with a diagonal shift ``s`` above the Gram's rounding
-       (``GRAM_SHIFT``, ``GRAM_ROUNDING``; the Cholesky succeeds whatever the
-       conditioning, and where rounding defeats it all the same, step 5): each maps a
-       singular value ``σ`` to ``σ/√(σ²+s)``, so after two every direction of ``P`` above
-       ~1e-5 of its norm (above ~1e-4 where its columns are nearly collinear) has singular
-       value ≈ 1 and the directions ``P`` lacks (zero columns, an all-zero ``P`` of a
-       frozen weight, rank below ``r``) are near 0;
-    3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed Gaussian
-       ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
-       has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
-       direction gets a unit vector, as Householder QR gives zero columns;
-    4. one unshifted CholeskyQR pass: orthogonal to ``ORTHOGONALITY_BOUND``;
-    5. where a factorization failed all the same (rounding left a shifted Gram indefinite:
-       cuSOLVER's Cholesky returns NaN there, LAPACK finite garbage; rare since the shift
-       grows with the Gram's norm) the matrix's basis is a fixed orthonormal one
-       (:func:`orthonormal_stand_in`): the error feedback keeps what it misses. Chosen on
-       the device; ``stood_in``, when given, gets the bool ``[k]`` of those matrices.
+    1. each column to unit norm (a spectrum that decays from column to column, warm-started
+       PowerSGD's ``P``, becomes well conditioned; the span is unchanged), ``x₀``, and its
+       Gram ``G₀ = x₀ᵀx₀``: the first of two products over the ``n`` rows in fp64;
+    2. two CholeskyQR passes shifted by ``GRAM_SHIFT``, on ``G₀`` alone: with ``L₁L₁ᵀ =
+       G₀ + s₁I`` the first maps ``x₀`` to ``x₁ = x₀L₁⁻ᵀ``, whose Gram is ``I - s₁L₁⁻¹L₁⁻ᵀ``
+       (no product over ``n``), and so the second, ``x₂ = x₀T``. Each maps a singular value
+       ``σ`` to ``σ/√(σ²+s)``: after two every direction of ``P`` above ~1e-5 of its norm
+       has singular value ≈ 1, and the directions ``P`` lacks (zero columns, an all-zero
+       ``P`` of a frozen weight, rank below ``r``) are near 0;
+    3. the missing directions are filled: ``x₃ = x₀T + F (I - x₂ᵀx₂)²`` with a fixed
+       Gaussian ``F`` (:func:`orthonormal_fill`), formed in fp32. ``I - x₂ᵀx₂ = s₂L₂⁻¹L₂⁻ᵀ``
+       is ~``s`` on the directions ``P`` has and ~1 on those it lacks, so the span is kept
+       (to ~1e-10) and every missing direction gets a unit vector, as Householder QR
+       gives zero columns;
+    4. a CholeskyQR pass on ``x₃`` with its own Gram (fp64), shifted only by the safe
+       shift (~1e-9): orthogonal to ``ORTHOGONALITY_BOUND`` (the Gram of the stored
+       ``x₃``, so the rounding of steps 1-3 is corrected here);
+    5. the last resort, should a factorization fail all the same (a device whose Cholesky
+       breaks its error bound; cuSOLVER's gives NaN there, LAPACK's finite garbage): that
+       matrix's basis is a fixed orthonormal one (:func:`orthonormal_stand_in`) and the
+       error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
+       gets the bool ``[k]`` of those matrices.
 
-    Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
-    matrix against Householder's ``4 n r²``, small beside the step's ``8 n m r``.
-    Non-finite input gives non-finite output (the step's non-finite flag handles it).
-    ``trace(stage, x)``, when given, sees ``x`` after each of the five stages (a replay's
-    view: ``scripts/replay_step.py``).
+    Flops over the ``n`` rows: two Grams in fp64 and three ``[n, r] x [r, r]`` products in
+    fp32 (``4 n r²`` + ``6 n r²``; the fp32 Gram CholeskyQR3 of before issue 56 did
+    ``16 n r²`` in fp32), small beside the step's ``8 n m r``; the rest is ``O(r³)``.
+    Temporaries: ``[k, n, r]`` in fp64 for the Grams. Non-finite input gives non-finite
+    output (the step's non-finite flag handles it). ``trace(stage, x)``, when given, sees
+    ``x`` after each of the five stages (a replay's view: ``scripts/replay_step.py``;
+    stage 2's ``x₂`` is formed for it alone).
     """
-    trace = trace or (lambda stage, x: None)
     squeeze = p.dim() == 2
-    x = p.float().unsqueeze(0) if squeeze else p.float()
+    x = p.unsqueeze(0) if squeeze else p
     k, n, r = x.shape
     if fill is None:
         fill = orthonormal_fill(n, r, x.device)
     given = torch.isfinite(x).all(dim=(1, 2), keepdim=True)
+    columns = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=WORK_DTYPE)
+    scale = columns.clamp_min(torch.finfo(WORK_DTYPE).tiny).reciprocal()
+    # in fp32's range (a column of subnormals stays small: a direction P lacks)
+    x = x.float() * scale.clamp_max(torch.finfo(torch.float32).max).float()
+    if trace is not None:
+        trace("1. unit columns", x)
+    eye = torch.eye(r, device=x.device, dtype=WORK_DTYPE)
+    safe = cholesky_safe_shift(n, r)
+    inv1, s1 = _shifted_cholesky_inverse(_gram(x), eye, GRAM_SHIFT, safe)
+    gram1 = eye - s1 * torch.bmm(inv1, inv1.transpose(1, 2))
+    inv2, s2 = _shifted_cholesky_inverse(gram1, eye, GRAM_SHIFT, safe)
+    transform = torch.bmm(inv2, inv1).transpose(1, 2)           # x₂ = x₀ T
+    missing = s2 * torch.bmm(inv2, inv2.transpose(1, 2))         # I - x₂ᵀx₂
+    missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
     with _IeeeFp32Matmul():
-        largest = x.abs().amax(dim=(1, 2), keepdim=True)
-        x = x / largest.clamp_min(torch.finfo(torch.float32).tiny)
-        columns = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-        x = x / columns.clamp_min(1e-15)
-        trace("1. scaled, unit columns", x)
-        eye = torch.eye(r, device=x.device, dtype=x.dtype)
-        x = _cholesky_qr_pass(x, eye, True)
-        x = _cholesky_qr_pass(x, eye, True)
-        trace("2. two shifted CholeskyQR passes", x)
-        missing = eye - torch.bmm(x.transpose(1, 2), x)
-        missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
-        x = torch.baddbmm(x, fill.expand(k, n, r), missing)
-        trace("3. missing directions filled", x)
-        x = _cholesky_qr_pass(x, eye, False)
-        trace("4. unshifted CholeskyQR pass", x)
-        failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
-        x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
+        if trace is not None:
+            trace("2. two shifted CholeskyQR passes", torch.bmm(x, transform.float()))
+        x = torch.baddbmm(torch.matmul(fill.float(), missing.float()), x, transform.float())
+        if trace is not None:
+            trace("3. missing directions filled", x)
+        inv3, _ = _shifted_cholesky_inverse(_gram(x), eye, 0.0, safe)
+        x = torch.bmm(x, inv3.transpose(1, 2).float())
+    if trace is not None:
+        trace("4. CholeskyQR pass", x)
+    failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
+    x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
+    if trace is not None:
         trace("5. a fixed basis where a factorization failed", x)
     if stood_in is not None:
         stood_in.append(failed.view(-1))

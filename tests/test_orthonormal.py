@@ -1,0 +1,123 @@
+"""The orthonormalization under a model of a GPU's rounding (issue 56): no factorization
+fails on finite input at the shapes users train, by construction, and the fp32-Gram method
+of before the issue fails under the same model."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from gpu_rounding import GpuRounding
+from megatron_edgc.compression.orthonormal import (GRAM_SHIFT, ORTHOGONALITY_BOUND,
+                                                   cholesky_safe_shift, orthonormalize)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.model import shard_matrices  # noqa: E402
+from bench.orthonormal_before import fp32_gram_orthonormalize  # noqa: E402
+
+VOCAB = 50304
+
+
+def factor_rows() -> dict:
+    """Rows of ``P`` (both orientations: ``n`` of the flat step, ``m`` of the slow hop's)
+    of GPT-2 medium and XL (TP 1) and of the paper configs' TP shards, -> their names."""
+    models = {"GPT-2 medium": (24, 1024, 4096, 1), "GPT-2 XL": (48, 1600, 6400, 1),
+              "2.5B TP4 shard": (54, 1920, 7680, 4), "12.1B TP8 shard": (60, 4096, 16384, 8)}
+    rows: dict = {}
+    for name, (layers, hidden, ffn, tp) in models.items():
+        mats, _ = shard_matrices(layers, hidden, ffn, VOCAB, tp, 1)
+        for n, m in set(mats):
+            for rows_of_p in (n, m):
+                rows.setdefault(rows_of_p, []).append(name)
+    return rows
+
+
+ROWS = factor_rows()
+RANKS = (64, 128, 256)
+SHAPES = [(n, r) for n in sorted(ROWS) for r in RANKS if 2 * r <= n]
+
+
+def factors(kind: str, n: int, r: int, seed: int) -> torch.Tensor:
+    """``[k, n, r]`` factors ``P`` from well spread to one dominant direction (``k`` 2, 1
+    above 8192 rows: batching is the same code, and CI's time is short).
+
+    * ``spread``: Gaussian;
+    * ``decaying``: singular values from 1 down to 1e-7 (warm-started PowerSGD);
+    * ``dominant``: one direction and 1e-4 noise (early training; the H200's Grams had a
+      largest eigenvalue of 50-63 of 64);
+    * ``deficient``: rank r/4, then a zero column (a frozen weight's rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = 2 if n <= 8192 else 1
+    if kind == "spread":
+        return torch.randn(k, n, r, generator=gen)
+    if kind == "decaying":   # Gaussian columns are orthogonal to ~1/√n: U S Vᵀ nearly
+        u = torch.randn(k, n, r, generator=gen) / n ** 0.5
+        v = torch.linalg.qr(torch.randn(k, r, r, generator=gen))[0]
+        return (u * torch.logspace(0, -7, r)) @ v.transpose(1, 2)
+    if kind == "dominant":
+        return (torch.randn(k, n, 1, generator=gen) * torch.randn(k, 1, r, generator=gen)
+                + 1e-4 * torch.randn(k, n, r, generator=gen))
+    assert kind == "deficient"
+    p = torch.randn(k, n, r // 4, generator=gen) @ torch.randn(k, r // 4, r, generator=gen)
+    p[:, :, -1] = 0
+    return p
+
+
+def assert_orthonormal_basis_of(q: torch.Tensor, p: torch.Tensor, missed_at_most: float):
+    """``q`` finite, orthonormal to :data:`ORTHOGONALITY_BOUND`, and spanning ``p``:
+    ``‖P - Q Qᵀ P‖_F <= missed_at_most ‖P‖_F`` per matrix."""
+    r = q.shape[-1]
+    assert torch.isfinite(q).all()
+    qd, pd = q.double(), p.double()
+    gram = qd.transpose(1, 2) @ qd
+    err = (gram - torch.eye(r, dtype=torch.float64)).abs().amax()
+    assert err <= ORTHOGONALITY_BOUND, err.item()
+    missed = torch.linalg.matrix_norm(pd - qd @ (qd.transpose(1, 2) @ pd)) / \
+        torch.linalg.matrix_norm(pd)
+    assert (missed <= missed_at_most).all(), missed.tolist()
+
+
+@pytest.mark.parametrize("n,r", SHAPES, ids=[f"{n}x{r}" for n, r in SHAPES])
+def test_no_factorization_fails_under_a_gpu_rounding_model(n, r):
+    """At every factor shape of GPT-2 medium and XL and of the paper's shards, ranks 64 to
+    256, for ``P`` from well spread to one dominant direction and rank-deficient, with the
+    Cholesky inputs perturbed as a GPU's rounding at ``c = 10`` (and the factor NaN where
+    it fails, as cuSOLVER's): no factorization fails, nothing stands in, the basis is
+    orthonormal and spans ``P`` (all but directions below the span threshold)."""
+    for seed, kind in enumerate(("spread", "decaying", "dominant", "deficient")):
+        p = factors(kind, n, r, seed)
+        stood_in = []
+        with GpuRounding(c=10, n=n) as device:
+            q = orthonormalize(p, stood_in=stood_in)
+        assert device.calls == 3 and device.dtypes == {torch.float64}
+        assert device.failed == 0, (kind, device.failed)
+        assert not stood_in[0].any(), kind
+        # decaying: directions below ~GRAM_SHIFT^(1/2) of the norm may go (1e-7 .. 3e-3)
+        missed = 3e-3 if kind == "decaying" else 1e-4
+        assert_orthonormal_basis_of(q, p, missed_at_most=missed)
+
+
+@pytest.mark.parametrize("n,r", [(3072, 128), (4096, 128), (1024, 64)])
+def test_the_fp32_gram_method_of_before_fails_under_the_same_model(n, r):
+    """The model has teeth: the orthonormalization of before issue 56 (fp32 Grams, the
+    shift ``max(1e-5, 1e-6 ‖G‖_F)``) stands a fixed basis in for matrices of GPT-2
+    medium's shapes at ``c = 3``, as the H100 did in training."""
+    p = torch.cat([factors("spread", n, r, 1), factors("dominant", n, r, 2)])
+    stood_in = []
+    with GpuRounding(c=3, n=n) as device:
+        fp32_gram_orthonormalize(p, stood_in=stood_in)
+    assert device.failed > 0 and stood_in[0].any()
+
+
+def test_the_safe_shift_is_far_below_the_span_threshold_in_fp64_and_impossible_in_fp32():
+    """The derivation behind "succeeds by construction": in fp64 the shift that makes any
+    Gram's Cholesky succeed is 7.5e-9 at the largest shape (padded vocabulary rows, rank
+    256), 1300x below the span threshold the first passes use anyway; in fp32 it would be
+    4.0, above the Gram's own scale: no shift can save an fp32 Gram at these widths."""
+    assert cholesky_safe_shift(VOCAB, 256) < 1e-8 and 1000 * 1e-8 <= GRAM_SHIFT
+    assert cholesky_safe_shift(VOCAB, 256, torch.float32) > 1
+    # and the model's perturbation at c = 10 stays below it at every shape (Weyl:
+    # ‖E‖₂ <= ‖E‖_F ~ c √n u r for unit diagonals)
+    u = torch.finfo(torch.float64).eps / 2
+    assert all(10 * n ** 0.5 * u * r < cholesky_safe_shift(n, r) for n, r in SHAPES)
