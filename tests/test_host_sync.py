@@ -210,67 +210,98 @@ def compressed_dp_step(compression, chunk, gen, nan_in=None):
 
 
 
-def test_factors_that_fail_from_finite_gradients_keep_the_state_then_go_dense(
+def test_factors_that_fail_from_finite_gradients_keep_the_state_go_dense_and_come_back(
         one_process_group):
     """Issue 50: an orthonormal basis that came out NaN from a finite P (the H200's r 64
     steps) left the warm start and the residual NaN for good, and the next steps' P
     with them. Now the step is left non-finite (the optimizer's guard skips it) with the
     compressor's state kept bit for bit, counted as a factor failure without a host
-    sync; after FALLBACK_AFTER_FAILURES such steps the bucket is sent dense, named once."""
+    sync; after FALLBACK_AFTER_FAILURES such steps the bucket is sent dense (its whole
+    error with it), named once, for ``fallback_iters`` iterations; then compressed again
+    (issue 56), and when its factors fail again the interval doubles; as many iterations
+    compressed without a failure reset it. The state is checkpointed."""
     chunk = fake_ddp_chunk()
     compression = compression_of(chunk, one_process_group)
+    compression.fallback_iters = 3
     gen = torch.Generator().manual_seed(2)
     key = "chunk0.group0.bucket1"
     comp = compression.compressors[key]
-    compression.set_iteration(0)
-    compression.prepare_iteration()
-    compressed_dp_step(compression, chunk, gen)                      # Q and E exist
     failing = lambda p, **kw: torch.full_like(p, float("nan"))       # noqa: E731
-    for it in (1, 2):
-        state = [(g.residual.clone(), g.q.clone()) for g in comp.groups.values()]
+
+    def step_at(it, fail=False):
         compression.set_iteration(it)
         compression.prepare_iteration()
-        assert key not in compression.dense_keys
-        comp.orthonormalize = failing
+        if fail:
+            comp.orthonormalize = failing
         with HostSyncCounter() as syncs:
             compressed_dp_step(compression, chunk, gen)
-        del comp.orthonormalize
+        if fail:
+            del comp.orthonormalize
         assert syncs.calls == []
+        step = compression.stats.take()
+        step.resolve()
+        compression.observe_failures([step], it + 1)
+        return step
+
+    step_at(0)                                                       # Q and E exist
+    for it in (1, 2):
+        state = [(g.residual.clone(), g.q.clone()) for g in comp.groups.values()]
+        assert key not in compression.dense_keys or it > 1
+        step = step_at(it, fail=True)
         for (residual, q), g in zip(state, comp.groups.values()):
             assert torch.equal(g.residual, residual) and torch.equal(g.q, q)
         bucket = chunk.bucket_groups[0].buckets[1]
         assert torch.isnan(bucket.params_list[0].main_grad).all()
         assert torch.isfinite(chunk.bucket_groups[0].buckets[0].grad_data).all()
-        step = compression.stats.take()
-        step.resolve()
         assert step.factor_failures == [key] and step.nonfinite_buckets == 1
-        assert step.events == [f"non-finite factors from finite gradients in {key}: "
-                               f"gradients left non-finite, error feedback untouched"]
-        compression.observe_failures([step], it + 1)
+        assert step.events[0] == (f"non-finite factors from finite gradients in {key}: "
+                                  f"gradients left non-finite, error feedback untouched")
         if it == 1:
-            assert compression.fallen_back == frozenset()
-            compressed_dp_step(compression, chunk, gen)   # a step free of failures:
-            quiet = compression.stats.take()                 # the count starts again
-            quiet.resolve()
+            assert compression.fallbacks == {}
+            quiet = compression.stats.take()      # a read free of failures:
+            quiet.compressed = True               # the count starts again
             compression.observe_failures([quiet], it + 1)
             assert compression._factor_failures == {}
             compression.observe_failures([step], it + 1)
-    assert compression.fallen_back == {key}
+    assert compression.fallbacks == {key: ddp.DenseFallback(6, 3)}
     assert step.events[-1] == (
         f"{key}: compression's factors failed from finite gradients "
         f"{ddp.FALLBACK_AFTER_FAILURES} times by iteration 3: sent dense (an all-reduce of "
-        f"the bucket, as megatron-core's) from iteration 4 on")
-    compression.set_iteration(3)
-    compression.prepare_iteration()
-    assert compression.dense_keys == {key}
-    comp.orthonormalize = failing   # not called: the bucket goes dense, its error with it
+        f"the bucket, as megatron-core's) for iterations 4-6, then compressed again")
+    assert compression.state_dict()["fallbacks"] == {key: [6, 3]}
     residual_sum = sum(float(g.residual.double().sum()) for g in comp.groups.values())
-    compressed_dp_step(compression, chunk, gen)
-    bucket = chunk.bucket_groups[0].buckets[1]
-    assert torch.isfinite(bucket.grad_data).all()
-    assert all(float(g.residual.abs().sum()) == 0 for g in comp.groups.values())
+    for it in (3, 4, 5):            # dense, its error with it; the factors are not formed
+        step = step_at(it, fail=True)
+        assert compression.dense_keys == {key} and step.fallback_buckets == 1
+        assert step.factor_failures == [] and step.buckets == 2
+        assert torch.isfinite(chunk.bucket_groups[0].buckets[1].grad_data).all()
+        assert all(float(g.residual.abs().sum()) == 0 for g in comp.groups.values())
     assert residual_sum != 0
-    assert compression.state_dict()["fallen_back"] == [key]
+    step = step_at(6)                                   # compressed again, named
+    assert compression.dense_keys == frozenset() and step.fallback_buckets == 0
+    assert step.events == [f"{key}: compressed again from iteration 7, after 3 iterations "
+                           f"sent dense (its factors had failed)"]
+    # ... restored from a checkpoint taken while it was dense, the same turn
+    restored = compression_of(fake_ddp_chunk(), one_process_group)
+    restored.load_state_dict(compression.state_dict())
+    assert restored.fallbacks == compression.fallbacks
+    step_at(7, fail=True)
+    step_at(8, fail=True)                               # failing again: twice as long
+    assert compression.fallbacks == {key: ddp.DenseFallback(9 + 6, 6)}
+    for it in range(9, 15):
+        step_at(it)
+        assert key in compression.dense_keys
+    for it in range(15, 20):                            # compressed, clean
+        step_at(it)
+        assert key not in compression.dense_keys and key in compression.fallbacks
+    step_at(20)             # an interval (6) compressed without a failure: reset
+    assert compression.fallbacks == {}
+    # a checkpoint of before issue 56 (dense for good): tried again at once
+    old = compression.state_dict()
+    del old["fallbacks"]
+    old["fallen_back"] = [key]
+    restored.load_state_dict(old)
+    assert restored.fallbacks == {key: ddp.DenseFallback(0, 20)}   # its fallback_iters
 
 
 def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):
@@ -306,8 +337,11 @@ def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):
     step = compression.stats.take()
     step.resolve()
     assert step.factor_failures == [key] and step.nonfinite_buckets == 0
+    stood_in = sum(len(g.indices) for g in comp.groups.values())   # every matrix's
+    assert step.factors_stood_in == stood_in
     assert step.events == [f"failed factorization from finite gradients in {key}: a fixed "
-                           f"basis stood in, the error feedback keeps what it missed"]
+                           f"basis stood in for {stood_in} matrices, the error feedback "
+                           f"keeps what it missed"]
 
 
 def _matrix(flat, g, i):

@@ -94,21 +94,30 @@ def test_a_nan_gradient_is_skipped_once_and_the_run_ends_finite(precision, mode,
     assert assert_dp_replicas_identical(results) > 0
 
 
+#: Failed factorizations: iterations 3 and 4 (1-based) of 10; the fallback's interval 3
+FAIL_AT, FALLBACK_ITERS, FAIL_ITERS = "2,3", 3, 10
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_failed_factorizations_lose_no_step_and_send_the_bucket_dense(precision,
-                                                                      small_model_argv,
-                                                                      tmp_path):
+def test_failed_factorizations_lose_no_step_send_the_bucket_dense_and_it_comes_back(
+        precision, small_model_argv, tmp_path):
     """Every Cholesky factorization of iterations 3 and 4 fails as cuSOLVER's do (NaN
     factors), static rank 4, PP 2 x DP 2: a fixed basis stands in, so no step is skipped
-    and every loss and weight stays finite; both failures are named, and the bucket
-    that kept failing is sent dense from the next read of the flags on; the DP replicas
-    stay bit-identical and the job exits 0."""
+    and every loss and weight stays finite; both failures are named; the buckets that
+    kept failing are sent dense from the next read of the flags (iteration 4) for
+    ``--edgc-fallback-iters`` 3 iterations, shown dense in the records, then compressed
+    again, named; the summary counts 7 of 10 iterations compressed per stage and the
+    stood-in matrices; the DP replicas stay bit-identical and the job exits 0. fp32: a
+    job saved at iteration 6 (inside the dense interval) and resumed gives the same
+    records as the whole run: the fallback's state is in the checkpoint."""
     metrics = str(tmp_path / "m.jsonl")
-    argv = (["--fail-factorizations-at", "2,3"] + small_model_argv + LAYOUTS["tp1-pp2-dp2"]
-            + ["--train-iters", str(ITERS), "--eval-interval", str(ITERS), "--edgc-mode",
-               "static", "--edgc-rank", "4", "--log-interval", "2", "--metrics-file", metrics]
+    argv = (small_model_argv + LAYOUTS["tp1-pp2-dp2"]
+            + ["--train-iters", str(FAIL_ITERS), "--eval-interval", str(FAIL_ITERS),
+               "--edgc-mode", "static", "--edgc-rank", "4", "--log-interval", "2",
+               "--edgc-fallback-iters", str(FALLBACK_ITERS)]
             + (["--bf16"] if precision == "bf16" else []))
-    results = run_job(argv, str(tmp_path / "out"))      # exit 0 asserted there
+    results = run_job(["--fail-factorizations-at", FAIL_AT] + argv
+                      + ["--metrics-file", metrics], str(tmp_path / "out"))  # exit 0 there
     records = read_jsonl(metrics)
     assert not any(r["skipped"] for r in records)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
@@ -117,11 +126,33 @@ def test_failed_factorizations_lose_no_step_and_send_the_bucket_dense(precision,
         assert f"iteration {it}: failed factorization from finite gradients in chunk0." \
             in stdout, stdout[-3000:]
     assert "compression's factors failed from finite gradients 2 times by iteration 4: " \
-        "sent dense (an all-reduce of the bucket, as megatron-core's) from iteration 5 on" \
-        in stdout, stdout[-3000:]
-    last = records[-1]
-    assert last["dp_bytes_sent"] == last["dp_bytes_dense"]    # the fallback: dense
-    assert records[1]["dp_bytes_sent"] < records[1]["dp_bytes_dense"]
+        "sent dense (an all-reduce of the bucket, as megatron-core's) for iterations 5-7, " \
+        "then compressed again" in stdout, stdout[-3000:]
+    assert "iteration 8: chunk0.group0.bucket0: compressed again from iteration 8, after " \
+        "3 iterations sent dense (its factors had failed)" in stdout, stdout[-3000:]
+    dense = [r["iteration"] for r in records if r["dp_bytes_sent"] == r["dp_bytes_dense"]]
+    assert dense == [5, 6, 7]
+    assert [r["rank_dp"] for r in records] == \
+        [[None, None] if r["iteration"] in dense else [4, 4] for r in records]
+    assert "ranks dense/dense" in stdout and "ranks 4/4" in stdout
+    summary = next(r["summary"] for r in results if r["summary"])["compression"]
+    assert summary["dp_iterations_compressed"] == [7, 7]
+    assert summary["dp_iterations_with_rank"] == [10, 10]
+    assert summary["dp_factors_stood_in"] >= 2 * 2   # two iterations, both stages
+    assert sum(r.get("dp_factors_stood_in", 0) for r in records) == \
+        summary["dp_factors_stood_in"]
+    assert "DP compressed 7/7 of 10 iterations per stage (10/10 with a rank in force) | " \
+        f"{summary['dp_factors_stood_in']} factorizations stood in" in stdout
     for r in results:
         assert all(torch.isfinite(t).all() for t in r["params"].values()), r["pp"]
     assert assert_dp_replicas_identical(results) > 0
+    if precision != "fp32":
+        return
+    ckpt, resumed = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    run_job(["--fail-factorizations-at", FAIL_AT] + argv
+            + ["--metrics-file", resumed, "--save", ckpt, "--save-interval", "6",
+               "--exit-interval", "6"], str(tmp_path / "first"))
+    run_job(argv + ["--metrics-file", resumed, "--load", ckpt], str(tmp_path / "second"))
+    keys = ("iteration", "loss", "rank_dp", "dp_bytes_sent", "dp_fallback_share")
+    assert [[r[k] for k in keys] for r in read_jsonl(resumed)] == \
+        [[r[k] for k in keys] for r in records]

@@ -59,29 +59,30 @@ class Step:
     q_local: dict = field(default_factory=dict)  # group key -> this rank's other factor
     q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
     nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
-    #: bool [1] on the device: the summed P finite, and its orthonormal basis not, or made
-    #: by a stand-in for a failed factorization (the same on every rank: P^ is computed
-    #: alike everywhere from the same sum)
+    #: float [1] on the device: the summed P finite, the matrices whose orthonormal basis
+    #: stood in for a failed factorization or came out non-finite (the same on every
+    #: rank: P^ is computed alike everywhere from the same sum)
     factor_failure: Optional[torch.Tensor] = None
     dense: list = field(default_factory=list)    # the dense rest, flat (the slow hop)
 
     def flags(self) -> torch.Tensor:
-        """bool ``[2]`` on the device, after the step: whether it was left non-finite (its
-        gradients NaN, the compressor's state kept), and whether its factors failed from
-        finite gradients (a stand-in basis, or a non-finite one)."""
-        return torch.cat([self.nonfinite.view(1), self.factor_failure.view(1)])
+        """float ``[2]`` on the device, after the step: whether it was left non-finite (1:
+        its gradients NaN, the compressor's state kept), and how many matrices' factors
+        failed from finite gradients (a stand-in basis, or a non-finite one)."""
+        return torch.cat([self.nonfinite.view(1).float(), self.factor_failure.view(1)])
 
 
 def factor_failure(p: torch.Tensor, p_hats: Sequence[torch.Tensor],
                    stood_in: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """bool ``[1]``, on the device: ``p`` (the summed factor) is finite, and some
-    orthonormal basis made from it is not, or stood in for a failed factorization
-    (``stood_in``: :func:`~megatron_edgc.compression.orthonormal.orthonormalize`'s)."""
-    bad = [torch.isfinite(h).all().logical_not() for h in p_hats] + \
-        [s.any() for s in stood_in]
+    """float ``[1]``, on the device: where ``p`` (the summed factor) is finite, how many
+    matrices' orthonormal bases stood in for a failed factorization (``stood_in``:
+    :func:`~megatron_edgc.compression.orthonormal.orthonormalize`'s), plus one per basis
+    that came out non-finite all the same; 0 where ``p`` is not finite."""
+    bad = [torch.isfinite(h).all().logical_not().float() for h in p_hats] + \
+        [s.float().sum() for s in stood_in]
     if not bad:
-        return torch.zeros(1, dtype=torch.bool, device=p.device)
-    return (torch.isfinite(p).all() & torch.stack(bad).any()).view(1)
+        return torch.zeros(1, device=p.device)
+    return (torch.isfinite(p).all().float() * torch.stack(bad).sum()).view(1)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:

@@ -52,6 +52,11 @@ class EdgcConfig:
                                 "bytes and device-timed durations; no probes) and re-decide "
                                 "which buckets go dense; 0: measure once at start-up",
                             min=0, group="method")
+    fallback_iters: int = knob(20, "a bucket whose factorizations keep failing from finite "
+                                   "gradients is sent dense for this many iterations, then "
+                                   "compressed again; the interval doubles while failures "
+                                   "repeat (up to 64x) and resets after as many iterations "
+                                   "compressed without one", min=1, group="method")
     factor_dtype: str = knob("bf16", "dtype of the PowerSGD factors P and Q on the wire: "
                                      "bf16 halves their bytes (all math and the error "
                                      "feedback stay fp32; the dense rest travels in fp32); "

@@ -24,7 +24,7 @@ from megatron_edgc.megatron_lm.checkpoint import (stop_if_weights_nonfinite, wra
                                                    wrap_save_checkpoint)
 from megatron_edgc.megatron_lm.flags import run_config
 from megatron_edgc.megatron_lm.state import state as _state
-from megatron_edgc.runtime.telemetry import expert_split, link_line, slow_hop
+from megatron_edgc.runtime.telemetry import expert_split, format_ranks, link_line, slow_hop
 
 #: Megatron-LM tags whose ``megatron/training`` these seams were read from and tested on.
 TESTED_MEGATRON_LM = ("core_v0.16.1", "core_v0.19.0")
@@ -124,10 +124,15 @@ def _end_of_step(out, call: dict) -> None:
     if guard is not None:
         from megatron_edgc.runtime.frontend import log_rank0
 
+        from megatron_edgc.runtime.step import CompressionTally
+
         done = iteration + 1 - _state.first_iteration
         which = f" ({', '.join(map(str, guard.skipped))})" if guard.skipped else ""
+        runtime = _state.runtime
+        compressed = f" | {CompressionTally.line(runtime.tally.summary())}" \
+            if runtime is not None and runtime.dp_compression is not None else ""
         log_rank0(f"EDGC summary | {done} iterations | {len(guard.skipped)} skipped for a "
-                  f"non-finite gradient{which}")
+                  f"non-finite gradient{which}{compressed}")
 
 
 def _build_runtime(model, optimizer, scheduler) -> None:
@@ -270,11 +275,9 @@ def _device_value(value):
 def _log_line(rec: dict) -> None:
     from megatron.training.utils import print_rank_last
 
-    ranks = rec.get("rank_dp")
     saved = 1.0 - rec["dp_bytes_sent_job"] / rec["dp_bytes_dense_job"] \
         if rec.get("dp_bytes_dense_job") else 0.0
-    parts = [f"EDGC iteration {rec['iteration']}",
-             f"rank dp {ranks if ranks is not None else 'dense'}",
+    parts = [f"EDGC iteration {rec['iteration']}", f"rank dp {format_ranks(rec)}",
              f"dp {rec['dp_bytes_sent_job'] / 2 ** 20:.2f} MiB (saved {100 * saved:.1f} %)"]
     if "dp_expert_bytes_sent_job" in rec:
         parts.append(expert_split(rec))

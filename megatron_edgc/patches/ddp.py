@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import types
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -62,8 +63,20 @@ logger = logging.getLogger(__name__)
 #: A bucket whose compression's factors keep failing from finite gradients (a
 #: factorization failed, or a factor came out non-finite) this many times, with no read of
 #: the flags free of failures between, is sent dense (an all-reduce of the whole bucket,
-#: as megatron-core's) from then on.
+#: as megatron-core's) for ``--edgc-fallback-iters`` iterations, then compressed again.
 FALLBACK_AFTER_FAILURES = 2
+#: The fallback's interval doubles while failures repeat, up to this many times the first.
+FALLBACK_MAX_GROWTH = 64
+
+
+@dataclass
+class DenseFallback:
+    """A bucket sent dense because its factors failed: dense for iterations before
+    ``until`` (0-based), then compressed again; ``interval`` is how long it was sent dense
+    (the next fallback's is twice it, while failures repeat)."""
+
+    until: int
+    interval: int
 
 #: ``--edgc-dense-wire``: the dtype a dense sync puts on the wire ("grad": the buffer's).
 DENSE_WIRE_DTYPES = {"bf16": torch.bfloat16}
@@ -104,7 +117,7 @@ class DPGradientCompression:
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
                  ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False,
                  link_window: int = 0, debug_dump: Optional[str] = None,
-                 dense_wire: str = "grad"):
+                 dense_wire: str = "grad", fallback_iters: int = 20):
         features.require("ddp")
         # 0.16+: start/finish_grad_sync(force_all_reduce=False); 0.13-0.15: no argument
         self._takes_force_all_reduce = features.grad_sync_takes_force_all_reduce()
@@ -153,7 +166,9 @@ class DPGradientCompression:
                                      window=link_window if bypass == "auto" else 0)
         self._timed_links: dict = {}   # id(process group) -> link index, once measured
         self.dense_keys: frozenset = frozenset()       # buckets sent dense this iteration
-        self.fallen_back: frozenset = frozenset()      # ... for good: their factors failed
+        self.fallback_keys: frozenset = frozenset()    # ... of those, by the fallback
+        self.fallback_iters = fallback_iters
+        self.fallbacks: dict[str, DenseFallback] = {}  # buckets whose factors failed
         self._factor_failures: dict = {}               # bucket key -> failures so far
         self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
 
@@ -184,12 +199,13 @@ class DPGradientCompression:
         backward) and the bypass decisions for this iteration's rank (the first call per
         rank runs collectives on each bucket's group)."""
         if not self.active:
-            self.dense_keys = frozenset()
+            self.dense_keys = self.fallback_keys = frozenset()
             return
         for plan in self.plans.values():
             plan.compressor.prepare()
+        self._fallback_turn()
         if self.bypass != "auto":
-            self.dense_keys = self.fallen_back
+            self.dense_keys = self.fallback_keys
             return
         first = not self.planner.links
         refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
@@ -207,7 +223,18 @@ class DPGradientCompression:
             self.stats.events.append(
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
-        self.dense_keys = frozenset(dense) | self.fallen_back
+        self.dense_keys = frozenset(dense) | self.fallback_keys
+
+    def _fallback_turn(self) -> None:
+        """The buckets the fallback sends dense this iteration; a bucket whose interval
+        ends here is compressed again, named in one line."""
+        it = self.iteration
+        self.fallback_keys = frozenset(k for k, f in self.fallbacks.items() if it < f.until)
+        for key, f in self.fallbacks.items():
+            if it == f.until:
+                self.stats.events.append(
+                    f"{key}: compressed again from iteration {it + 1}, after {f.interval} "
+                    f"iterations sent dense (its factors had failed)")
 
     def _can_time_links(self) -> bool:
         """Whether the collectives can be stamped at completion without waiting: CPU
@@ -226,11 +253,13 @@ class DPGradientCompression:
     def observe_failures(self, steps: list, iteration: int) -> None:
         """Count the factor failures of read steps (``DPSyncStats`` after ``resolve_all``,
         the last of them iteration ``iteration``, 1-based), each bucket's the MAX over the
-        DP group (on the slow hop a failure is one shard's view); a bucket that reaches
+        DP group (on the slow hop a failure is one shard's view). A bucket that reaches
         :data:`FALLBACK_AFTER_FAILURES` without a read free of failures between them is
-        sent dense from the next iteration on, named in one line. A collective on the DP
-        group where the steps compressed: every member reads the same steps at the same
-        flush."""
+        sent dense from the next iteration for ``fallback_iters`` iterations, then
+        compressed again; while failures repeat the interval doubles (up to
+        :data:`FALLBACK_MAX_GROWTH` times), and it resets once the bucket has compressed
+        as long without one. Each turn is named in one line. A collective on the DP group
+        where the steps compressed: every member reads the same steps at the same flush."""
         if not steps or not any(s.compressed for s in steps):
             return
         keys = list(self.plans)
@@ -238,17 +267,24 @@ class DPGradientCompression:
                                for k in keys], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
         for key, count in zip(keys, counts.tolist()):
+            fallback = self.fallbacks.get(key)
             if not count:   # a read without a failure: the bucket recovered
                 self._factor_failures.pop(key, None)
-            if not count or key in self.fallen_back:
+                if fallback is not None and iteration >= fallback.until + fallback.interval:
+                    del self.fallbacks[key]   # compressed an interval long: reset
                 continue
             total = self._factor_failures[key] = self._factor_failures.get(key, 0) + int(count)
-            if total >= FALLBACK_AFTER_FAILURES:
-                self.fallen_back |= {key}
-                steps[-1].events.append(
-                    f"{key}: compression's factors failed from finite gradients "
-                    f"{total} times by iteration {iteration}: sent dense (an all-reduce of "
-                    f"the bucket, as megatron-core's) from iteration {iteration + 1} on")
+            if total < FALLBACK_AFTER_FAILURES or (fallback and iteration < fallback.until):
+                continue
+            interval = self.fallback_iters if fallback is None else \
+                min(2 * fallback.interval, FALLBACK_MAX_GROWTH * self.fallback_iters)
+            self.fallbacks[key] = DenseFallback(iteration + interval, interval)
+            self._factor_failures.pop(key)
+            steps[-1].events.append(
+                f"{key}: compression's factors failed from finite gradients {total} times "
+                f"by iteration {iteration}: sent dense (an all-reduce of the bucket, as "
+                f"megatron-core's) for iterations {iteration + 1}-{iteration + interval}, "
+                f"then compressed again")
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -336,14 +372,23 @@ class DPGradientCompression:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank, "fallen_back": sorted(self.fallen_back),
+        return {"rank": self.rank,
+                "fallbacks": {k: [f.until, f.interval] for k, f in self.fallbacks.items()},
+                "factor_failures": dict(self._factor_failures),
                 "buckets": {k: p.compressor.state_dict() for k, p in self.plans.items()},
                 "cost_model": self.planner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             self.set_rank(state["rank"])
-        self.fallen_back = frozenset(state.get("fallen_back", ())) & frozenset(self.plans)
+        fallbacks = {k: DenseFallback(*v) for k, v in state.get("fallbacks", {}).items()}
+        # a checkpoint of before the fallback came back: its buckets dense "for good" are
+        # tried again at once, and a new failure sends them dense for twice the interval
+        fallbacks.update({k: DenseFallback(0, self.fallback_iters)
+                          for k in state.get("fallen_back", ()) if k not in fallbacks})
+        self.fallbacks = {k: f for k, f in fallbacks.items() if k in self.plans}
+        self._factor_failures = {k: v for k, v in state.get("factor_failures", {}).items()
+                                 if k in self.plans}
         if "cost_model" in state:   # the measured link and math: priced as before
             self.planner.load_state_dict(state["cost_model"])
         for key, plan in self.plans.items():
@@ -446,8 +491,10 @@ class DPGradientCompression:
                 total, slow = plan.replaced_bytes
                 stats.add_bytes(0, total - slow, reduction.expert)
                 stats.add_bytes(0, slow, reduction.expert, slow_hop=True)
+                stats.buckets += 1
                 if bypassed:
                     stats.bypassed_buckets += 1
+                    stats.fallback_buckets += plan.key in self.fallback_keys
                 pipeline.start(plan.key, reduction.expert,
                                plan.strategy(dense, self.debug_dump, stats.events))
 

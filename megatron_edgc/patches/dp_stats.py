@@ -34,9 +34,12 @@ class DPSyncStats:
     comm_s: float = 0.0      # time launching and waiting for the collectives (GPU: the
                              # time the stream waited for them)
     nonfinite_buckets: int = 0       # buckets some rank flagged NaN/Inf (left NaN, EF kept)
-    #: of those, the buckets whose factors failed from finite gradients (this rank's view)
+    #: the buckets whose factors failed from finite gradients (this rank's view)
     factor_failures: list = field(default_factory=list)
-    bypassed_buckets: int = 0        # sent dense by the bypass (compression would not pay)
+    factors_stood_in: int = 0        # ... the matrices whose basis stood in, in all of them
+    bypassed_buckets: int = 0        # sent dense by a decision: the bypass or the fallback
+    fallback_buckets: int = 0        # of those, by the fallback (their factors failed)
+    buckets: int = 0                 # this rank's buckets
     predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
     predicted_cost_s: float = 0.0    # their measured compress + decompress time
     compressed: bool = False
@@ -54,7 +57,8 @@ class DPSyncStats:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
         self.expert_bytes_sent = self.expert_bytes_dense = 0
         self.slow_hop_bytes_sent = self.slow_hop_bytes_dense = 0
-        self.bypassed_buckets = self.collectives = 0
+        self.bypassed_buckets = self.collectives = self.factors_stood_in = 0
+        self.fallback_buckets = self.buckets = 0
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.compressed = False
@@ -88,8 +92,8 @@ class DPSyncStats:
         self._link.append((link, nbytes, issued, completed, phase))
 
     def add_nonfinite_flag(self, key: str, flags: torch.Tensor) -> None:
-        """Bucket ``key``'s flags of this step (bool ``[2]`` on the device: left
-        non-finite, and by its factors; :meth:`~megatron_edgc.compression.kernels.Step.flags`)."""
+        """Bucket ``key``'s flags of this step (``[2]`` on the device: left non-finite, and
+        the matrices whose factors failed; :meth:`~megatron_edgc.compression.kernels.Step.flags`)."""
         self._nonfinite.append((key, flags))
 
     def take(self) -> "DPSyncStats":
@@ -120,10 +124,11 @@ class DPSyncStats:
             for (s, key, _), (bad, factors) in zip(flagged, values):
                 if factors:
                     s.factor_failures.append(key)
+                    s.factors_stood_in += int(factors)
                 if factors and not bad:
                     s.events.append(f"failed factorization from finite gradients in {key}: "
-                                    f"a fixed basis stood in, the error feedback keeps "
-                                    f"what it missed")
+                                    f"a fixed basis stood in for {int(factors)} matrices, "
+                                    f"the error feedback keeps what it missed")
                 elif factors:
                     s.events.append(f"non-finite factors from finite gradients in {key}: "
                                     f"gradients left non-finite, error feedback untouched")

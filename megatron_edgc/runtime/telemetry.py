@@ -2,7 +2,7 @@
 
 Plots and summaries are made from these records, never the reverse. The job-wide figures
 of a record come from one all-reduce of a row per iteration (:class:`TelemetryRow`: the
-:class:`JobCounters`, the per-stage :data:`STAGE_TIMES`, the controller's entropy sums),
+:class:`JobCounters`, the per-stage :data:`STAGE_COLUMNS`, the controller's entropy sums),
 done for all the iterations since the last one at ``--log-interval``.
 """
 
@@ -16,8 +16,10 @@ from typing import Optional
 
 import torch
 
-#: Per-stage timing columns of the telemetry row (means over each stage's ranks).
-STAGE_TIMES = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall")
+#: Per-stage columns of the telemetry row (means over each stage's ranks): its times, and
+#: the share of its DP buckets the fallback sent dense (their factors had failed).
+STAGE_COLUMNS = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall",
+                 "dp_fallback_share")
 
 
 @dataclasses.dataclass
@@ -34,6 +36,7 @@ class JobCounters:
     dp_replica_mismatches: int = 0    # buckets whose replicas differ (--edgc-check-replicas)
     dp_slow_hop_bytes_sent: int = 0   # of the DP bytes, across distributed-optimizer instances
     dp_slow_hop_bytes_dense: int = 0
+    dp_factors_stood_in: int = 0      # matrices whose basis stood in (DP rank 0's count)
 
     def values(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -45,21 +48,21 @@ class JobCounters:
 
 class TelemetryRow:
     """One iteration's contribution of one rank to the job-wide all-reduce, a float64 row:
-    ``[JobCounters | (Σ value, count) per stage of each STAGE_TIMES column | extra]``
+    ``[JobCounters | (Σ value, count) per stage of each STAGE_COLUMNS column | extra]``
     (``extra``: the controller's entropy sums, ``n_extra`` of them, summed as they are)."""
 
     def __init__(self, num_stages: int, n_extra: int = 0):
         self.num_stages, self.n_extra = num_stages, n_extra
         self.n_counters = len(dataclasses.fields(JobCounters))
-        self.n_times = len(STAGE_TIMES) * 2 * num_stages
+        self.n_times = len(STAGE_COLUMNS) * 2 * num_stages
         self.width = self.n_counters + self.n_times + n_extra
 
     def pack(self, counters: JobCounters, stage: int, times: dict,
              extra: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The row of this rank (on the host): ``times`` maps STAGE_TIMES to this rank's
+        """The row of this rank (on the host): ``times`` maps STAGE_COLUMNS to this rank's
         values (NaN: none), counted for its ``stage``."""
-        sums = torch.zeros(len(STAGE_TIMES), 2, self.num_stages, dtype=torch.float64)
-        for i, key in enumerate(STAGE_TIMES):
+        sums = torch.zeros(len(STAGE_COLUMNS), 2, self.num_stages, dtype=torch.float64)
+        for i, key in enumerate(STAGE_COLUMNS):
             if math.isfinite(times[key]):
                 sums[i, 0, stage], sums[i, 1, stage] = times[key], 1.0
         parts = [torch.tensor(counters.values(), dtype=torch.float64), sums.view(-1)]
@@ -74,7 +77,7 @@ class TelemetryRow:
         times = row[self.n_counters:self.n_counters + self.n_times]
         n = self.num_stages
         means = {}
-        for i, key in enumerate(STAGE_TIMES):   # [column, (Σ, count), stage], flat
+        for i, key in enumerate(STAGE_COLUMNS):   # [column, (Σ, count), stage], flat
             at = 2 * i * n
             totals, counts = times[at:at + n], times[at + n:at + 2 * n]
             means[key] = [t / c if c > 0 else float("nan") for t, c in zip(totals, counts)]
@@ -180,8 +183,7 @@ def format_progress(it: int, total: int, rec: dict) -> str:
              f"{rec['iter_ms']:8.1f} ms/iter", f"{rec['tokens_per_s']:9.0f} tok/s",
              f"grad norm {rec['grad_norm']:.3f}"]
     if rec.get("rank_dp") is not None:
-        ranks = "/".join("dense" if r is None else str(r) for r in rec["rank_dp"])
-        parts.append(f"ranks {ranks}")
+        parts.append(f"ranks {format_ranks(rec)}")
     if rec.get("entropy") is not None:
         parts.append("H " + "/".join(f"{h:.3f}" for h in rec["entropy"]))
     if "dp_bytes_sent_job" in rec:
@@ -203,6 +205,19 @@ def format_progress(it: int, total: int, rec: dict) -> str:
     if rec.get("skipped"):
         parts.append("skipped")
     return " | ".join(parts)
+
+
+def format_ranks(rec: dict) -> str:
+    """The DP ranks in force per stage: ``64/dense`` (dense: the warm-up, or every bucket
+    of the stage sent dense by the fallback), ``64 (50% dense)`` where the fallback sends
+    part of a stage's buckets dense."""
+    ranks = rec.get("rank_dp")
+    if ranks is None:
+        return "dense"
+    shares = rec.get("dp_fallback_share") or [0.0] * len(ranks)
+    return "/".join("dense" if r is None else
+                    f"{r} ({100 * f:.0f}% dense)" if f and math.isfinite(f) else str(r)
+                    for r, f in zip(ranks, shares))
 
 
 def link_line(rec: dict) -> str:

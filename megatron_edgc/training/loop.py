@@ -34,7 +34,7 @@ from megatron_edgc.runtime.frontend import (IterationRecords, NonFiniteWeights,
                                             check_weights_finite, compute_device,
                                             guard_optimizer, is_logging_rank, log_rank0, lr_at,
                                             print_notes)
-from megatron_edgc.runtime.step import EdgcRuntime
+from megatron_edgc.runtime.step import CompressionTally, EdgcRuntime
 from megatron_edgc.runtime.telemetry import MetricsWriter, format_progress
 from megatron_edgc.training import checkpoint as ckpt
 from megatron_edgc.training import zeroshot
@@ -323,6 +323,8 @@ class Trainer:
             self.records.close()
         val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
         summary = summarize(history, val_loss, time.perf_counter() - start_time, cfg)
+        if self.runtime.dp_compression is not None:
+            summary["compression"] = self.runtime.tally.summary()
         if self.is_logger:
             print(format_summary(summary), flush=True)
             if lg.metrics_file:
@@ -393,6 +395,7 @@ def format_summary(s: dict) -> str:
         *last_word,
         f"{f(s['ms_per_iter'], '.1f')} ms/iter", f"{f(s['tokens_per_s'], '.0f')} tok/s",
         f"grad sync {f(s.get('grad_sync_ms'), '.1f')} ms",
+        *([CompressionTally.line(s["compression"])] if s.get("compression") else []),
         f"wall {s['wall_s']:.1f} s"]))
 
 
