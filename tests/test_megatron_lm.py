@@ -634,3 +634,81 @@ def test_a_nan_gradient_is_a_skipped_iteration(megatron_lm, tmp_path, extra):
     records = read_records(metrics)
     if records:   # compression on: the plug-in's records say which iteration was skipped
         assert [r["skipped"] for r in records] == [r["iteration"] == 4 for r in records]
+
+
+#: The plug-in's factorization failures: every Cholesky factorization of the (0-based)
+#: iterations in EDGC_TEST_FAIL_AT returns NaN with info > 0, as cuSOLVER's batched potrf
+#: does where it fails; then the two-line copy runs as __main__.
+FAILING_FACTORIZATIONS_SCRIPT = """
+import os, runpy, sys
+import torch
+from megatron.training.global_vars import get_args
+
+AT, original = {{int(i) for i in os.environ["EDGC_TEST_FAIL_AT"].split(",")}}, \\
+    torch.linalg.cholesky_ex
+
+def cholesky_ex(a, **kwargs):
+    out = original(a, **kwargs)
+    if get_args().curr_iteration in AT:
+        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+    return out
+
+torch.linalg.cholesky_ex = cholesky_ex
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+FALLBACK = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off",
+            "--edgc-fallback-iters", "2"]
+
+
+def run_failing_factorizations(megatron_lm, tmp_path, extra, name):
+    """The plug-in's job with factorizations failing at iterations 2 and 3 (1-based)."""
+    script = tmp_path / "pretrain_gpt_failing.py"
+    script.write_text(FAILING_FACTORIZATIONS_SCRIPT.format(script=megatron_lm[2]))
+    cmd, env, metrics = megatron_lm_command(megatron_lm, str(script), FALLBACK + extra,
+                                            tmp_path, name)
+    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_FAIL_AT": "1,2"}, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out, read_records(metrics)
+
+
+def test_failed_factorizations_go_dense_and_come_back_in_the_plug_in(megatron_lm, tmp_path):
+    """Megatron-LM's own script, factorizations failing at iterations 2 and 3 of 8 (static
+    r4, PP 2 x DP 2): a fixed basis stands in (no step skipped), the buckets go dense at
+    the read after the second failure for ``--edgc-fallback-iters`` 2 iterations (4, 5),
+    shown dense in the records and the EDGC line, then compress again; the summary says 6
+    of 8 iterations compressed per stage and how many factorizations stood in."""
+    out, records = run_failing_factorizations(megatron_lm, tmp_path, [], "fallback")
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    assert not any(r["skipped"] for r in records)
+    assert [r["rank_dp"] for r in records] == \
+        [[None, None] if r["iteration"] in (4, 5) else [4, 4] for r in records]
+    assert [r["dp_bytes_sent"] == r["dp_bytes_dense"] for r in records] == \
+        [r["iteration"] in (4, 5) for r in records]
+    assert "rank dp dense/dense" in out and "rank dp 4/4" in out
+    assert "sent dense (an all-reduce of the bucket, as megatron-core's) for iterations " \
+        "4-5, then compressed again" in out, out[-4000:]
+    assert "compressed again from iteration 6, after 2 iterations sent dense" in out
+    stood_in = sum(r["dp_factors_stood_in"] for r in records)
+    assert stood_in >= 4
+    assert "EDGC summary | 8 iterations | 0 skipped for a non-finite gradient | DP " \
+        f"compressed 6/6 of 8 iterations per stage (8/8 with a rank in force) | {stood_in} " \
+        "factorizations stood in" in out, out[-4000:]
+
+
+@pytest.mark.extended   # three more jobs (about 100 s a tag): make test-compat
+def test_the_fallback_resumes_in_the_plug_in(megatron_lm, tmp_path):
+    """Saved at iteration 4 (inside the dense interval) and resumed: the same records as
+    one run (the fallback's state is in the plug-in's checkpoint sidecar)."""
+    ckpt = str(tmp_path / "ckpt")
+    _, whole = run_failing_factorizations(megatron_lm, tmp_path, [], "whole")
+    save = ["--save", ckpt, "--save-interval", "4"]
+    run_failing_factorizations(megatron_lm, tmp_path, save + ["--exit-interval", "4"],
+                               "resumed")
+    _, resumed = run_failing_factorizations(megatron_lm, tmp_path, save + ["--load", ckpt],
+                                            "resumed")
+    keys = ("iteration", "loss", "rank_dp", "dp_bytes_sent", "dp_fallback_share")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
