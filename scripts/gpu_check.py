@@ -18,6 +18,12 @@ why); ``kernels`` last and alone (its times are not shared with other jobs):
    ``--variants`` (:data:`E2E_VARIANTS`): every loss and grad norm finite, the loss falls,
    DP bytes against the rank's formula, a checkpoint at the midpoint resumed to the end
    equal to the uninterrupted run;
+   the :data:`MEASURED` configs (GPT-2 medium, issue 56) instead after the pool, one run at
+   a time: off, static r64 and EDGC r_max 128, fp32 and bf16 gradient buffers, 100
+   iterations; ms/iter beside the ``off`` run of the same gradient dtype; any stand-in
+   basis, or a compressing iteration sent dense, fails the check (a failing run is rerun
+   with ``--edgc-debug-dump`` to its first failure and the capture replayed); on CPU at a
+   reduced size (the report names it);
 4. the 4-process TP1·PP2·DP2 layouts (static DP compression, EDGC with pipeline
    compression): NCCL with >= 4 GPUs, else gloo on CPU tensors (gloo's TCP transport cannot
    carry CUDA tensors), named so (:func:`four_process_layout`);
@@ -34,7 +40,8 @@ why); ``kernels`` last and alone (its times are not shared with other jobs):
    by 1/16 at rank 16.
 
 Budget on one H100/H200 with ``--jobs 8``: about 5 minutes (the report has each check's
-seconds).
+seconds), plus about 6 for the six GPT-2 medium runs (``--configs tiny-cpu,gpt2-small-cpu``
+leaves them out).
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ import platform
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -63,18 +72,27 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))
 from megatron_edgc.training.checkpoint_files import LATEST  # noqa: E402  (no torch import)
 import megatron_lm_job as mlm  # noqa: E402  (standard library only)
 
-CONFIGS = ("tiny-cpu", "gpt2-small-cpu")
+CONFIGS = ("tiny-cpu", "gpt2-small-cpu", "gpt2-medium")
 MODES = ("off", "static", "edgc")
 CHECKS = ("install", "data", "unit", "e2e", "gloo4", "plugin", "sync", "kernels")
 # Short runs: EDGC's windows scaled so that warm-up ends at iteration 10 and the
 # controller decides twice more; the static/edgc DP compression is forced (no bypass).
 E2E_ITERS = 40
-E2E_FLAGS = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
-             "--train-iters", str(E2E_ITERS), "--eval-interval", str(E2E_ITERS),
-             "--eval-iters", "2", "--log-interval", "10", "--lr-warmup-iters", "5",
-             "--edgc-bypass", "off", "--edgc-window", "5", "--edgc-warmup-max-iters", "10",
-             # one device: DP 1 is compressed only when asked (nothing is sent)
-             "--edgc-compress-single-replica"]
+E2E_WARMUP_ITERS = 10   # EDGC's dense warm-up ends here at the latest (--edgc-warmup-max-iters)
+
+
+def e2e_flags(iters: int) -> list:
+    """The e2e runs' common flags for a run of ``iters`` iterations."""
+    return ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+            "--train-iters", str(iters), "--eval-interval", str(iters),
+            "--eval-iters", "2", "--log-interval", "10", "--lr-warmup-iters", "5",
+            "--edgc-bypass", "off", "--edgc-window", "5",
+            "--edgc-warmup-max-iters", str(E2E_WARMUP_ITERS),
+            # one device: DP 1 is compressed only when asked (nothing is sent)
+            "--edgc-compress-single-replica"]
+
+
+E2E_FLAGS = e2e_flags(E2E_ITERS)
 MODE_FLAGS = {"off": ["--edgc-mode", "off"], "static": ["--edgc-mode", "static"],
               "edgc": ["--edgc-mode", "edgc"]}
 #: Extra e2e runs, name -> (config, mode, flags): run when their config and mode are
@@ -90,7 +108,57 @@ E2E_VARIANTS = {
     "e2e-gpt2-small-cpu-edgc-timebudget": ("gpt2-small-cpu", "edgc",
                                            ["--edgc-controller", "budget",
                                             "--edgc-dense-wire", "bf16"]),
+    # issue 56: GPT-2 medium with bf16 gradient buffers (fp32 ones: the plain e2e runs)
+    **{f"e2e-gpt2-medium-{m}-bf16grads": ("gpt2-medium", m, ["--grad-reduce-in-bf16"])
+       for m in MODES},
 }
+
+
+class E2ESize(NamedTuple):
+    """How a config's e2e runs are sized on one device type, over its YAML."""
+
+    iters: int = E2E_ITERS
+    model: tuple = ()          # flags over the YAML's model size (the CPU's reduction)
+    ranks: dict = {}           # mode -> its rank flags (read only)
+    note: str = ""             # the size, as the report names it
+
+
+#: Configs measured at their width (issue 56: GPT-2 medium on one H100 had failed Cholesky
+#: factorizations, and every compressing run went dense). Their e2e runs run after the
+#: pool, one at a time (ms/iter alone, median after :data:`E2E_WARMUP_ITERS`, beside the
+#: ``off`` run of the same config and gradient dtype); any stand-in basis (the event line
+#: with :data:`STOOD_IN`) or non-finite factors fail them, and so does a compressing run
+#: that compressed fewer iterations than its mode should (an iteration with a bucket sent
+#: dense by the fallback is not compressed). No midpoint resume: at 355M parameters a
+#: checkpoint with its optimizer state is about 5 GB, each save and load tens of seconds, six
+#: runs doubling the budget, and the smaller configs' e2e and plug-in checks hold the resume.
+#: A failing run is rerun with ``--edgc-debug-dump`` under ``OUT/dumps/CHECK/`` to its first
+#: failure (the capture copies every bucket to the host each step, so the timed run has no
+#: dump) and the capture is replayed (``scripts/replay_step.py``) on the device.
+#: config -> {"cuda": size, "cpu": size}: the CPU dry run at a reduced size, named so.
+MEASURED = {
+    "gpt2-medium": {
+        "cuda": E2ESize(100, ranks={"static": ("--edgc-rank", "64"),
+                                    "edgc": ("--edgc-rank-max", "128", "--edgc-rank-min", "32")},
+                        note="full size: 24 layers, hidden 1024, 16 heads, seq 1024, "
+                             "micro-batch 8; static r64, EDGC r 32-128; 100 iterations"),
+        "cpu": E2ESize(30, model=("--num-layers", "4", "--hidden-size", "128",
+                                  "--num-attention-heads", "4", "--seq-length", "128",
+                                  "--max-position-embeddings", "128"),
+                       ranks={"static": ("--edgc-rank", "8"),
+                              "edgc": ("--edgc-rank-max", "16", "--edgc-rank-min", "4")},
+                       note="REDUCED for the CPU dry run: 4 layers, hidden 128, 4 heads, "
+                            "seq 128, micro-batch 8; ranks / 8 with the width (static r8, "
+                            "EDGC r 4-16); 30 iterations"),
+    },
+}
+#: The event line of a failed factorization a fixed basis stood in for
+#: (megatron_edgc/patches/dp_stats.py), one per bucket and iteration.
+STOOD_IN = "a fixed basis stood in"
+#: ... and of factors that came out non-finite from finite gradients.
+NONFINITE_FACTORS = "non-finite factors from finite gradients"
+#: Iterations a capture rerun trains past the first failure of the timed run.
+CAPTURE_MARGIN = 5
 GLOO4 = {"static-dp": ["--edgc-mode", "static"],
          "edgc-pp": ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc",
                      "--edgc-window", "5", "--edgc-warmup-max-iters", "10"]}
@@ -186,6 +254,21 @@ def four_process_layout(device: str, gpus: int) -> dict:
     return {"prefix": "gloo4", "suffix": "", "backend": "gloo", "env": {}, "note": "CPU"}
 
 
+def factor_events(log: str) -> dict:
+    """The compression's per-iteration event lines in a run's output: failed
+    factorizations a fixed basis stood in for (:data:`STOOD_IN`), non-finite factors from
+    finite gradients, buckets the fallback sent dense for good; the first iteration
+    (1-based) of a failure of either kind, None if none."""
+    lines = log.splitlines()
+    stood_in = [ln for ln in lines if STOOD_IN in ln]
+    factors = [ln for ln in lines if NONFINITE_FACTORS in ln]
+    first = [int(m.group(1)) for ln in stood_in + factors
+             for m in [re.search(r"iteration (\d+):", ln)] if m]
+    return {"stood_in": len(stood_in), "nonfinite_factors": len(factors),
+            "fallback_dense": [ln.strip() for ln in lines if "sent dense (an all-reduce" in ln],
+            "first_failure": min(first) if first else None}
+
+
 def nonfinite(records: list, keys=("loss", "grad_norm")) -> list:
     """Iterations whose ``keys`` (those present) are NaN, infinite or missing values."""
     return [r.get("iteration") for r in records
@@ -213,6 +296,7 @@ class Checklist:
         self.order: dict = {}   # check name -> its place in the report
         self.checks: list = []
         self.megatron_lm = None  # (directory, the two-line script) once prepared
+        self.off_ms: dict = {}   # (config, bf16 grads) -> the measured off run's ms/iter
         self.env_info = self.environment()
 
     def record(self, name: str, ok, seconds: float, **details) -> dict:
@@ -232,16 +316,20 @@ class Checklist:
     # ------------------------------------------------------------------ plan
 
     def plan(self) -> tuple[list, list, list]:
-        """(first, in parallel, last alone): lists of (check name, callable)."""
+        """(first, in parallel, last one at a time): lists of (check name, callable); the
+        :data:`MEASURED` configs' e2e runs are among the last, the fp32 gradient buffers'
+        off/static/edgc, then the bf16 ones'."""
         a, wanted = self.args, set(self.args.only or CHECKS)
         first = [(n, getattr(self, f"check_{n}")) for n in ("install", "data") if n in wanted]
         pool = [("unit", self.check_unit)] if "unit" in wanted else []
+        measured = []   # after the pool, one at a time: off first, then what it times
         if "e2e" in wanted:
-            pool += [(f"e2e-{c}-{m}", lambda c=c, m=m: self.check_e2e(f"e2e-{c}-{m}", c, m))
-                     for c in a.configs for m in a.modes]
-            pool += [(n, lambda n=n, v=v: self.check_e2e(n, *v))
-                     for n, v in E2E_VARIANTS.items()
+            runs = [(f"e2e-{c}-{m}", (c, m)) for c in a.configs for m in a.modes]
+            runs += [(n, v) for n, v in E2E_VARIANTS.items()
                      if n in a.variants and v[0] in a.configs and v[1] in a.modes]
+            for n, v in runs:
+                (measured if v[0] in MEASURED else pool).append(
+                    (n, lambda n=n, v=v: self.check_e2e(n, *v)))
         if "gloo4" in wanted:
             lay = four_process_layout(a.device, a.gpus)
             pool += [(f"{lay['prefix']}-{n}{lay['suffix']}",
@@ -252,7 +340,7 @@ class Checklist:
                      for m in PLUGIN_MODES if m in a.modes for g in (False, True)]
         if "sync" in wanted:
             pool.append(("sync", self.check_sync))
-        last = [("kernels", self.check_kernels)] if "kernels" in wanted else []
+        last = measured + ([("kernels", self.check_kernels)] if "kernels" in wanted else [])
         return first, pool, last
 
     def run_all(self) -> None:
@@ -343,15 +431,22 @@ class Checklist:
                                          "--metrics-file", metrics),
                              dict(self.env, **(env or {})), timeout,
                              os.path.join(self.logs, name + ".log"))
-        return {"rc": rc, "tail": tail, "seconds": secs, "records": mlm.read_records(metrics)}
+        with open(os.path.join(self.logs, name + ".log"), errors="replace") as fh:
+            log = fh.read()
+        return {"rc": rc, "tail": tail, "seconds": secs, "records": mlm.read_records(metrics),
+                "log": log}
 
-    def assess(self, full: dict, resumed: dict, iters: int, expect_compressed: bool,
-               drop: float) -> dict:
+    def assess(self, full: dict, resumed, iters: int, expect_compressed: bool,
+               drop: float, min_compressed: int = 0) -> dict:
         """What every training check asserts: the run ended, every loss and grad norm is
         finite, the loss falls by ``drop`` (first against the last five), the resumed half
         equals the uninterrupted one (exact on CPU; on CUDA within 0.02: bf16 with atomics
-        in backward, far inside the loss's own step-to-step change), and iterations are
-        compressed exactly when the mode compresses. Returns the details, ``ok`` among them."""
+        in backward, far inside the loss's own step-to-step change; ``resumed`` None: no
+        resume run), and iterations are compressed exactly when the mode compresses, at
+        least ``min_compressed`` of them. An iteration is compressed when a rank is in
+        force and no bucket was sent dense (``dp_bypassed_buckets``: by the bypass, or by
+        the fallback after failed factorizations, whose iterations can keep the rank in
+        force in the record). Returns the details, ``ok`` among them."""
         recs = full["records"]
         if full["rc"] != 0 or len(recs) < iters:
             return {"ok": False, "summary": f"training failed (rc {full['rc']}, "
@@ -359,58 +454,159 @@ class Checklist:
         bad = nonfinite(recs)
         first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
         by_iter = {r["iteration"]: r["loss"] for r in recs}
-        resumed_losses = {r["iteration"]: r["loss"] for r in resumed["records"]}
-        diffs = [abs(resumed_losses[i] - by_iter[i]) for i in resumed_losses if i in by_iter]
-        max_diff = max(diffs) if diffs else None
-        resume_ok = resumed["rc"] == 0 and len(diffs) == iters - iters // 2 and \
-            max_diff <= (0.02 if self.cuda else 0.0)
-        # a rank in force (a dense sync on a narrower wire also sends fewer bytes)
-        compressed = [r for r in recs if any(x is not None for x in
-                                             (r.get("rank_dp") or [r.get("rank")]))]
+        max_diff = resume_ok = None
+        if resumed is not None:
+            resumed_losses = {r["iteration"]: r["loss"] for r in resumed["records"]}
+            diffs = [abs(resumed_losses[i] - by_iter[i]) for i in resumed_losses
+                     if i in by_iter]
+            max_diff = max(diffs) if diffs else None
+            resume_ok = resumed["rc"] == 0 and len(diffs) == iters - iters // 2 and \
+                max_diff <= (0.02 if self.cuda else 0.0)
+        # a rank in force (a dense sync on a narrower wire also sends fewer bytes) ...
+        ranked = [r for r in recs if any(x is not None for x in
+                                         (r.get("rank_dp") or [r.get("rank")]))]
+        # ... and every bucket compressed (a bucket the fallback sends dense can leave the
+        # rank in force in the record)
+        compressed = [r for r in ranked if not r.get("dp_bypassed_buckets")]
         d = {"first_loss": first, "last5_loss": last, "nonfinite_iterations": bad,
              "loss_falls": not bad and last < first - drop,
              "resume_max_abs_loss_diff": max_diff, "resume_ok": resume_ok,
              "compressed_iterations": len(compressed),
+             "dense_bucket_iterations": len(ranked) - len(compressed),
              "dp_bytes_last": recs[-1].get("dp_bytes_sent_job"),
              "dp_bytes_dense": recs[-1].get("dp_bytes_dense_job"),
              "rank_last": recs[-1].get("rank_dp", recs[-1].get("rank"))}
-        d["ok"] = d["loss_falls"] and resume_ok and bool(compressed) == expect_compressed
+        d["ok"] = d["loss_falls"] and resume_ok is not False and \
+            bool(compressed) == expect_compressed and len(compressed) >= min_compressed
         d["summary"] = (
             (f"NON-FINITE at iterations {bad[:5]}{'...' if len(bad) > 5 else ''}; " if bad
-             else "") + f"loss {first:.3f} -> {last:.3f}, resume max |Δloss| "
-            f"{max_diff if max_diff is None else format(max_diff, '.2e')}, "
-            f"{len(compressed)}/{len(recs)} compressed iterations, "
-            f"DP bytes {d['dp_bytes_last']} of {d['dp_bytes_dense']}")
+             else "") + f"loss {first:.3f} -> {last:.3f}, " +
+            ("no resume, " if resumed is None else "resume max |Δloss| "
+             f"{max_diff if max_diff is None else format(max_diff, '.2e')}, ") +
+            f"{len(compressed)}/{len(recs)} compressed iterations"
+            f"{f' (at least {min_compressed})' if min_compressed else ''}" +
+            (f", {d['dense_bucket_iterations']} with a rank in force but a bucket sent "
+             "dense" if d["dense_bucket_iterations"] else "") +
+            f", DP bytes {d['dp_bytes_last']} of {d['dp_bytes_dense']}")
         if not d["ok"]:
-            d["tail"] = resumed.get("tail") or full["tail"]
+            d["tail"] = (resumed or {}).get("tail") or full["tail"]
         return d
+
+    def e2e_size(self, config: str) -> E2ESize:
+        """How ``config``'s e2e runs are sized on this device (:data:`MEASURED`)."""
+        sizes = MEASURED.get(config)
+        return sizes["cuda" if self.cuda else "cpu"] if sizes else E2ESize()
 
     def check_e2e(self, name: str, config: str, mode: str, extra: list = ()):
         if "--grad-reduce-in-bf16" in extra and not self.bf16:
             return self.record(name, None, 0.0, summary="needs bf16 (--bf16 on CPU)")
+        size, measured = self.e2e_size(config), config in MEASURED
         ck = os.path.join(self.work, name + "-ckpt")
-        base = ["--config", f"configs/{config}.yaml", *E2E_FLAGS, *MODE_FLAGS[mode], *extra,
+        base = ["--config", f"configs/{config}.yaml", *e2e_flags(size.iters), *MODE_FLAGS[mode],
+                *size.ranks.get(mode, ()), *size.model, *extra,
                 *(["--bf16"] if self.bf16 else []),
                 *(["--distributed-backend", "nccl"] if self.cuda else [])]
-        half = E2E_ITERS // 2
-        full = self._train(name, base + ["--save", ck, "--save-interval", str(half)],
-                           self.args.run_timeout)
-        if full["rc"] == 0:  # resume the midpoint's checkpoint, as a user would: point the
-            with open(os.path.join(ck, LATEST), "w") as fh:  # tracker file at it
-                fh.write(str(half))
-            resumed = self._train(name + "-resume", base + ["--load", ck],
-                                  self.args.run_timeout)
+        half = size.iters // 2
+        resumed = None
+        if measured:   # no midpoint resume (MEASURED says why)
+            full = self._train(name, base, self.args.run_timeout)
         else:
-            resumed = {"rc": None, "records": [], "seconds": 0.0, "tail": ""}
-        details = self.assess(full, resumed, E2E_ITERS, mode != "off", drop=0.5)
+            full = self._train(name, base + ["--save", ck, "--save-interval", str(half)],
+                               self.args.run_timeout)
+            if full["rc"] == 0:  # resume the midpoint's checkpoint, as a user would: point
+                with open(os.path.join(ck, LATEST), "w") as fh:  # the tracker file at it
+                    fh.write(str(half))
+                resumed = self._train(name + "-resume", base + ["--load", ck],
+                                      self.args.run_timeout)
+            else:
+                resumed = {"rc": None, "records": [], "seconds": 0.0, "tail": ""}
+        # EDGC: dense through its warm-up, then compressed; static: every iteration
+        expect = {"static": size.iters, "edgc": size.iters - E2E_WARMUP_ITERS}.get(mode, 0)
+        details = self.assess(full, resumed, size.iters, mode != "off", drop=0.5,
+                              min_compressed=expect if measured else 0)
+        details.update(factor_events(full["log"]))
         ms = [r["iter_ms"] for r in full["records"][5:]]
         if full["records"]:
             details.update(ms_per_iter=sum(ms) / len(ms) if ms else None,
                            grad_sync_ms=full["records"][-1].get("grad_sync_ms"),
                            timing_source="CUDA events" if self.cuda else "host clock",
-                           concurrent_jobs=self.args.jobs)
-        return self.record(name, details.pop("ok"), full["seconds"] + resumed["seconds"],
-                           **details)
+                           concurrent_jobs=1 if measured else self.args.jobs)
+        seconds = full["seconds"] + (resumed or {}).get("seconds", 0.0)
+        if measured:
+            seconds += self.measure(name, config, mode, extra, size, base, full, details)
+        return self.record(name, details.pop("ok"), seconds, **details)
+
+    def measure(self, name: str, config: str, mode: str, extra, size: E2ESize, base: list,
+                full: dict, d: dict) -> float:
+        """A :data:`MEASURED` check beyond :meth:`assess`: its size, ms/iter (median after
+        the warm-up) beside the ``off`` run of its config and gradient dtype, a failure for
+        any stand-in basis (an output line, or the JSONL's ``dp_factors_stood_in``) or
+        non-finite factors, and then a capture of the first failing step
+        (:meth:`capture`). Updates ``d``; returns the seconds it spent."""
+        bf16_grads = "--grad-reduce-in-bf16" in extra
+        recs = full["records"][E2E_WARMUP_ITERS:]
+        ms = statistics.median(r["iter_ms"] for r in recs) if recs else None
+        key = (config, bf16_grads)
+        if mode == "off" and ms is not None:
+            self.off_ms[key] = ms
+        off = None if mode == "off" else self.off_ms.get(key)
+        compress = [r["dp_compress_ms"] for r in recs if "dp_compress_ms" in r]
+        d.update(size=size.note, grad_buffers="bf16" if bf16_grads else "fp32",
+                 ms_per_iter_median=ms, ms_from_iteration=E2E_WARMUP_ITERS + 1,
+                 off_ms_per_iter_median=off, vs_off=ms / off if ms and off else None,
+                 compress_ms_median=statistics.median(compress) if compress else None)
+        # the JSONL's count of the matrices stood in, per iteration (where the run has it)
+        stood = [r for r in full["records"] if r.get("dp_factors_stood_in")]
+        d["factors_stood_in"] = sum(r["dp_factors_stood_in"] for r in stood)
+        if stood and d["first_failure"] is None:
+            d["first_failure"] = stood[0]["iteration"]
+        failed = d["stood_in"] + d["nonfinite_factors"] + d["factors_stood_in"]
+        d["ok"] = d["ok"] and not failed
+        timing = "n/a" if ms is None else f"{ms:.1f} ms/iter" + (
+            "" if mode == "off" else f" vs off {off:.1f} ({100 * (ms / off - 1):+.1f}%)"
+            if off else " (no off run to compare)")
+        d["summary"] = (f"[{'reduced' if not self.cuda else 'full'} size, "
+                        f"{d['grad_buffers']} grads] {timing}; "
+                        f"{d['stood_in']} stand-in bases ({d['factors_stood_in']} matrices), "
+                        f"{d['nonfinite_factors']} non-finite factors; " + d["summary"])
+        if not failed:
+            return 0.0
+        d["summary"] = (f"FACTORIZATIONS FAILED from iteration {d['first_failure']}"
+                        f"{'; the fallback sent a bucket dense' if d['fallback_dense'] else ''}"
+                        f"; " + d["summary"])
+        d.setdefault("tail", full["tail"])
+        return self.capture(name, base, d["first_failure"], size.iters, d)
+
+    def capture(self, name: str, base: list, first: int, iters: int, d: dict) -> float:
+        """Rerun ``base`` with ``--edgc-debug-dump OUT/dumps/NAME`` to ``CAPTURE_MARGIN``
+        iterations past ``first`` (its first failure; ``--exit-interval`` keeps the LR
+        schedule of the timed run), then replay the capture on this device
+        (``scripts/replay_step.py``); into ``d["capture"]``. Returns the seconds spent."""
+        dump = os.path.join(self.out, "dumps", name)
+        shutil.rmtree(dump, ignore_errors=True)
+        stop = min(iters, (first or 1) + CAPTURE_MARGIN)
+        res = self._train(name + "-capture", base + ["--edgc-debug-dump", dump,
+                                                     "--exit-interval", str(stop)],
+                          self.args.run_timeout)
+        files = sorted(glob.glob(os.path.join(dump, "*.pt")))
+        cap = {"dir": dump, "rc": res["rc"], "trained_to": stop,
+               "files": {os.path.basename(f): round(os.path.getsize(f) / 2**20, 1)
+                         for f in files}}
+        seconds = res["seconds"]
+        if files:
+            rc, tail, secs = run(self.python("scripts/replay_step.py", dump, "--device",
+                                             self.args.device),
+                                 self.env, self.args.run_timeout,
+                                 os.path.join(self.logs, name + "-replay.log"))
+            seconds += secs
+            cap["replay"] = [ln for ln in tail.splitlines()
+                             if ln.startswith(("first non-finite", "every phase"))] or \
+                [f"replay rc {rc}"]
+        else:
+            cap["replay"] = ["no capture written: the failure did not recur in the rerun"]
+        d["capture"] = cap
+        d["summary"] += f"; capture: {len(files)} file(s) in {dump}, {cap['replay'][0]}"
+        return seconds
 
     def check_gloo4(self, name: str, flags: list, layout: dict):
         check = f"{layout['prefix']}-{name}{layout['suffix']}"
@@ -541,9 +737,35 @@ class Checklist:
             res = {True: "pass", False: "**FAIL**", None: "skip"}[c["ok"]]
             lines.append(f"| {c['check']} | {res} | {c['seconds']:.0f} | "
                          f"{str(c.get('summary', '')).replace('|', '/')} |")
+        lines += measured_table(self.checks)
         with open(os.path.join(self.out, "gpu_report.md"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
         return report
+
+
+def measured_table(checks: list) -> list:
+    """The report's lines for the :data:`MEASURED` checks: each one's ms/iter beside the
+    ``off`` run of its config and gradient dtype, its size named ([] if none ran)."""
+    rows = [c for c in checks if "ms_per_iter_median" in c]
+    if not rows:
+        return []
+
+    def f(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = ["", f"## Measured configs: ms/iter, median from iteration {E2E_WARMUP_ITERS + 1}"
+                 f", each run alone", ""]
+    lines += [f"* {size}" for size in dict.fromkeys(c["size"] for c in rows)]
+    lines += ["", "| check | grads | ms/iter | off ms/iter | vs off | compress ms | "
+                  "stand-in bases | compressed iterations |", "|---|---|---|---|---|---|---|---|"]
+    for c in rows:
+        vs = c.get("vs_off")
+        lines.append(f"| {c['check']} | {c['grad_buffers']} | {f(c['ms_per_iter_median'], '.1f')}"
+                     f" | {f(c['off_ms_per_iter_median'], '.1f')} | "
+                     f"{'n/a' if vs is None else format(100 * (vs - 1), '+.1f') + '%'} | "
+                     f"{f(c.get('compress_ms_median'), '.1f')} | {c.get('stood_in')} | "
+                     f"{c.get('compressed_iterations')} |")
+    return lines
 
 
 def sync_probe(path: str, device: str) -> int:

@@ -149,3 +149,223 @@ def test_a_device_report_renders_with_its_failure_causes(tmp_path, monkeypatch):
     assert "NVIDIA H100 80GB HBM3" in text and "2026-11-24 19:19 UTC" in text
     assert "| unit | pass |" in text
     assert "Cannot re-initialize CUDA in forked subprocess" in text
+
+
+# ---------------------------------------------------------------- measured configs (issue 56)
+
+MEDIUM = ["e2e-gpt2-medium-off", "e2e-gpt2-medium-static", "e2e-gpt2-medium-edgc",
+          "e2e-gpt2-medium-off-bf16grads", "e2e-gpt2-medium-static-bf16grads",
+          "e2e-gpt2-medium-edgc-bf16grads"]
+
+
+def measured_checklist(gpu_check, tmp_path, monkeypatch, device, runs):
+    """A Checklist of the GPT-2 medium e2e checks on ``device`` whose training runs are
+    ``runs(name, flags) -> (records, log)``; returns it and the list of (name, flags) run."""
+    monkeypatch.setattr(gpu_check.Checklist, "environment", lambda self: {"device": device})
+    args = argparse.Namespace(device=device, bf16=device == "cpu", out=str(tmp_path / "out"),
+                              target=None, only=["e2e"], configs=["gpt2-medium"],
+                              modes=list(gpu_check.MODES), variants=list(gpu_check.E2E_VARIANTS),
+                              gpus=1, jobs=2, run_timeout=60.0)
+    checks = gpu_check.Checklist(args)
+    calls = []
+
+    def train(name, flags, timeout, env=None):
+        calls.append((name, flags))
+        records, log = runs(name, flags)
+        return {"rc": 0, "tail": "", "seconds": 1.0, "records": records, "log": log}
+
+    monkeypatch.setattr(checks, "_train", train)
+    return checks, calls
+
+
+def fake_records(flags, ms, dense_from=None, stood_in_at=None):
+    """Records of a run with ``flags``: the loss falls, EDGC dense through its warm-up, a
+    bucket sent dense (as the fallback does) from ``dense_from`` on, 3 matrices stood in
+    at iteration ``stood_in_at``."""
+    iters = int(flags[len(flags) - 1 - flags[::-1].index("--train-iters") + 1])
+    mode = flags[flags.index("--edgc-mode") + 1]
+    start = {"off": iters + 1, "static": 1, "edgc": 11}[mode]
+    return [{"iteration": i, "loss": 10 - 5 * i / iters, "grad_norm": 1.0, "iter_ms": ms,
+             "rank_dp": [8] if i >= start else [None], "dp_compress_ms": 2.0,
+             "dp_bypassed_buckets": int(dense_from is not None and i >= dense_from),
+             "dp_factors_stood_in": 3 * (i == stood_in_at),
+             "dp_bytes_sent_job": 1, "dp_bytes_dense_job": 10} for i in range(1, iters + 1)]
+
+
+def flag(flags, name):
+    """The value of the last ``name`` in ``flags`` (None if absent)."""
+    return next((flags[i + 1] for i in range(len(flags) - 2, -1, -1) if flags[i] == name), None)
+
+
+def test_the_measured_config_runs_last_one_at_a_time_off_first(tmp_path):
+    """GPT-2 medium's 6 e2e runs are planned after the pool, before kernels, the fp32
+    buffers' off/static/edgc then the bf16 ones'; other configs leave them out."""
+    gpu_check = load_gpu_check()
+    assert "gpt2-medium" in gpu_check.CONFIGS and "gpt2-medium" in gpu_check.MEASURED
+
+    def plan(configs, modes=("off", "static", "edgc")):
+        args = argparse.Namespace(device="cuda", bf16=False, out=str(tmp_path), target=None,
+                                  only=None, configs=configs, modes=list(modes),
+                                  variants=list(gpu_check.E2E_VARIANTS), gpus=1, jobs=8)
+        checks = gpu_check.Checklist.__new__(gpu_check.Checklist)
+        checks.args, checks.cuda = args, True
+        first, pool, last = checks.plan()
+        return [n for n, _ in pool], [n for n, _ in last]
+
+    pool, last = plan(["tiny-cpu", "gpt2-medium"])
+    assert last == MEDIUM + ["kernels"]
+    assert not set(MEDIUM) & set(pool) and "e2e-tiny-cpu-off" in pool
+    assert plan(["tiny-cpu"])[1] == ["kernels"]
+    assert plan(["gpt2-medium"], ["static"])[1] == [
+        "e2e-gpt2-medium-static", "e2e-gpt2-medium-static-bf16grads", "kernels"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_measured_checks_size_and_timing(tmp_path, monkeypatch, device):
+    """On CPU the reduced size (named in the report), on CUDA the full one; no resume, no
+    debug dump while timed; ms/iter (median after the warm-up) beside the off run of the
+    same gradient dtype, in the JSON and the markdown."""
+    gpu_check = load_gpu_check()
+    ms = {"off": 100.0, "static": 110.0, "edgc": 125.0}
+
+    def runs(name, flags):
+        mode = flag(flags, "--edgc-mode")
+        return fake_records(flags, ms[mode] * (0.9 if "bf16grads" in name else 1.0)), ""
+
+    checks, calls = measured_checklist(gpu_check, tmp_path, monkeypatch, device, runs)
+    _, _, last = checks.plan()
+    assert [n for n, _ in last] == MEDIUM
+    for name, fn in last:
+        fn()
+    report = checks.write()
+    by_name = {c["check"]: c for c in report["checks"]}
+    assert report["passed"] and list(by_name) == MEDIUM
+    flags = dict(calls)
+    static, edgc = flags["e2e-gpt2-medium-static"], flags["e2e-gpt2-medium-edgc"]
+    assert not any("--save" in f or "--load" in f or "--edgc-debug-dump" in f
+                   for f in flags.values())
+    assert all("--edgc-compress-single-replica" in f and "--bf16" in f for f in flags.values())
+    assert "--grad-reduce-in-bf16" in flags["e2e-gpt2-medium-edgc-bf16grads"]
+    if device == "cpu":
+        assert flag(static, "--train-iters") == "30" and flag(static, "--hidden-size") == "128"
+        assert (flag(static, "--num-layers"), flag(static, "--seq-length")) == ("4", "128")
+        assert flag(static, "--edgc-rank") == "8" and flag(edgc, "--edgc-rank-max") == "16"
+        assert flag(static, "--distributed-backend") is None
+        assert by_name["e2e-gpt2-medium-edgc"]["compressed_iterations"] == 20
+    else:
+        assert flag(static, "--train-iters") == "100" and flag(static, "--hidden-size") is None
+        assert flag(static, "--edgc-rank") == "64"
+        assert (flag(edgc, "--edgc-rank-max"), flag(edgc, "--edgc-rank-min")) == ("128", "32")
+        assert flag(static, "--distributed-backend") == "nccl"
+        assert by_name["e2e-gpt2-medium-edgc"]["compressed_iterations"] == 90
+    static_rec = by_name["e2e-gpt2-medium-static"]
+    assert static_rec["size"].startswith("REDUCED" if device == "cpu" else "full size")
+    assert static_rec["ms_per_iter_median"] == 110.0 and static_rec["vs_off"] == 1.1
+    assert by_name["e2e-gpt2-medium-edgc-bf16grads"]["off_ms_per_iter_median"] == 90.0
+    assert "vs off 100.0 (+10.0%)" in static_rec["summary"]
+    md = (tmp_path / "out" / "gpu_report.md").read_text()
+    assert "## Measured configs: ms/iter, median from iteration 11" in md
+    assert ("REDUCED for the CPU dry run" in md) == (device == "cpu")
+    assert "| e2e-gpt2-medium-static | fp32 | 110.0 | 100.0 | +10.0% | 2.0 | 0 |" in md
+
+
+def test_a_stand_in_basis_or_a_dense_fallback_fails_a_measured_check(tmp_path, monkeypatch):
+    """One event line of a stand-in basis fails the check even where every iteration
+    compressed; the fallback's dense bucket (the rank still in force) counts as not
+    compressed and fails it alone; a failing run is rerun with --edgc-debug-dump under
+    the check's output to a few iterations past its first failure."""
+    gpu_check = load_gpu_check()
+    line = ("iteration {}: failed factorization from finite gradients in chunk0.group0."
+            "bucket0: a fixed basis stood in, the error feedback keeps what it missed")
+    fallback = ("iteration 30: chunk0.group0.bucket0: compression's factors failed from finite "
+                "gradients 2 times by iteration 30: sent dense (an all-reduce of the bucket, "
+                "as megatron-core's) from iteration 31 on")
+    cases = {"e2e-gpt2-medium-static": (None, line.format(23)),            # stood in alone
+             "e2e-gpt2-medium-edgc": (26, ""),                              # dense alone
+             "e2e-gpt2-medium-static-bf16grads":
+                 (31, "\n".join([line.format(23), line.format(25), fallback])),
+             "e2e-gpt2-medium-edgc-bf16grads": (None, "")}   # the JSONL's count alone
+
+    def runs(name, flags):
+        dense_from, log = cases.get(name.removesuffix("-capture"), (None, ""))
+        stood_in_at = 40 if name.startswith("e2e-gpt2-medium-edgc-bf16grads") else None
+        return fake_records(flags, 100.0, dense_from, stood_in_at), log
+
+    checks, calls = measured_checklist(gpu_check, tmp_path, monkeypatch, "cuda", runs)
+    for name, fn in checks.plan()[2]:
+        fn()
+    by_name = {c["check"]: c for c in checks.checks}
+    assert [n for n, c in by_name.items() if not c["ok"]] == list(cases)
+    stood = by_name["e2e-gpt2-medium-static"]
+    assert (stood["stood_in"], stood["first_failure"], stood["compressed_iterations"]) == \
+        (1, 23, 100)
+    assert stood["summary"].startswith("FACTORIZATIONS FAILED from iteration 23;")
+    dense = by_name["e2e-gpt2-medium-edgc"]
+    assert (dense["stood_in"], dense["compressed_iterations"],
+            dense["dense_bucket_iterations"]) == (0, 15, 75)   # 11-25 of at least 90
+    assert "capture" not in dense        # nothing failed to capture
+    jsonl = by_name["e2e-gpt2-medium-edgc-bf16grads"]
+    assert (jsonl["stood_in"], jsonl["factors_stood_in"], jsonl["first_failure"]) == (0, 3, 40)
+    both = by_name["e2e-gpt2-medium-static-bf16grads"]
+    assert (both["stood_in"], both["compressed_iterations"]) == (2, 30)
+    assert both["fallback_dense"] == [fallback] and "the fallback sent a bucket dense" in \
+        both["summary"]
+    captures = {n: f for n, f in calls if n.endswith("-capture")}
+    assert set(captures) == {"e2e-gpt2-medium-static-capture",
+                             "e2e-gpt2-medium-static-bf16grads-capture",
+                             "e2e-gpt2-medium-edgc-bf16grads-capture"}
+    flags = captures["e2e-gpt2-medium-static-capture"]
+    assert flag(flags, "--edgc-debug-dump") == str(tmp_path / "out" / "dumps" /
+                                                   "e2e-gpt2-medium-static")
+    assert flag(flags, "--exit-interval") == "28" and flag(flags, "--train-iters") == "100"
+    assert stood["capture"]["replay"] == [
+        "no capture written: the failure did not recur in the rerun"]
+
+
+def test_the_event_texts_the_checks_count_are_the_dp_sync_s(tmp_path):
+    """STOOD_IN and NONFINITE_FACTORS are the lines megatron_edgc/patches/dp_stats.py
+    writes for a bucket's flags (factors failed from finite gradients; non-finite)."""
+    import torch
+
+    from megatron_edgc.patches.dp_stats import DPSyncStats
+
+    gpu_check = load_gpu_check()
+    stats = DPSyncStats()
+    stats.add_nonfinite_flag("b0", torch.tensor([False, True]))
+    stats.add_nonfinite_flag("b1", torch.tensor([True, True]))
+    stats.resolve()
+    log = "\n".join(f"iteration {i}: {e}" for i, e in enumerate(stats.events, start=7))
+    assert gpu_check.factor_events(log) == {"stood_in": 1, "nonfinite_factors": 1,
+                                            "fallback_dense": [], "first_failure": 7}
+
+
+def test_a_failed_factorization_in_training_shows_where_the_checks_look(small_model_argv,
+                                                                         tmp_path):
+    """A real run (one rank, --edgc-compress-single-replica, static r4) whose Cholesky
+    factorizations fail at iterations 3 and 4 (1-based), as cuSOLVER's did on the H100:
+    two stand-in lines in its output, the fallback from iteration 5 on, whose iterations
+    count a bucket sent dense in the JSONL (``dp_bypassed_buckets``), so the checklist
+    counts 4 of 8 compressed; --edgc-debug-dump captured the first stand-in step
+    (iteration 3)."""
+    from distributed import read_jsonl, run_job
+
+    gpu_check = load_gpu_check()
+    metrics, dump = tmp_path / "m.jsonl", tmp_path / "dump"
+    run_job(["--fail-factorizations-at", "2,3", *small_model_argv,
+             "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+             "--edgc-compress-single-replica", "--train-iters", "8", "--eval-interval", "8",
+             "--edgc-mode", "static", "--edgc-rank", "4", "--log-interval", "2",
+             "--metrics-file", str(metrics), "--edgc-debug-dump", str(dump)],
+            str(tmp_path / "out"))
+    records = read_jsonl(metrics)
+    events = gpu_check.factor_events((tmp_path / "out" / "stdout.txt").read_text())
+    assert events["stood_in"] >= 2 and events["first_failure"] == 3
+    assert events["nonfinite_factors"] == 0 and len(events["fallback_dense"]) >= 1
+    assert [r["dp_bypassed_buckets"] > 0 for r in records] == [False] * 4 + [True] * 4
+    checks = gpu_check.Checklist.__new__(gpu_check.Checklist)
+    checks.cuda = False
+    d = checks.assess({"rc": 0, "records": records, "tail": ""}, None, 8, True,
+                      drop=-100.0, min_compressed=8)
+    assert (d["compressed_iterations"], d["ok"]) == (4, False)
+    files = sorted(p.name for p in dump.glob("*.pt"))
+    assert files and all(f.startswith("iter3-rank0-") for f in files)
