@@ -5,7 +5,8 @@ is not finite (issue 50).
     python scripts/replay_step.py DUMP [DUMP ...] [--device cpu|cuda]
 
 ``DUMP``: a file ``--edgc-debug-dump`` wrote (``iter{I}-rank{R}-{bucket}.pt``), or its
-directory (every file in it). Each is one rank's step of one bucket: its inputs and the
+directory (every file in it). A ``*.factors.pt`` (the summed factors of the matrices whose
+basis stood in) is orthonormalized again, batched and one matrix at a time. Each is one rank's step of one bucket: its inputs and the
 sums its collectives returned, so it replays alone, with no process group. The same dump
 replayed on the device that failed and on the CPU says whether the device is the cause.
 """
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_edgc.compression.step_capture import replay  # noqa: E402
+from megatron_edgc.compression.step_capture import replay, replay_factors  # noqa: E402
 
 
 def dumps(paths: list) -> list:
@@ -31,8 +32,28 @@ def dumps(paths: list) -> list:
     return files
 
 
+def report_factors(path: str, device: str) -> int:
+    """Prints the replay of a ``*.factors.pt`` (the summed factors whose basis stood in):
+    each group orthonormalized batched and one matrix at a time on ``device``, and the
+    smallest eigenvalue of its unit-column Gram; returns the matrices that stood in."""
+    rec = torch.load(path, map_location="cpu", weights_only=True)
+    print(f"{path}: iteration {rec['iteration']}, rank {rec['rank']}, {rec['bucket']}: "
+          f"factors that stood in on {rec['device']}; replayed on {device}")
+    if not rec["groups"]:
+        print("  none stood in when orthonormalized again on that device")
+    total = 0
+    for key, how, stood_in, of, smallest in replay_factors(rec, device):
+        total += stood_in
+        print(f"  {key} {how}: {stood_in} of {of} stood in (smallest eigenvalue of the "
+              f"unit-column Gram, fp64: {smallest:.3e})")
+    return total
+
+
 def report(path: str, device: str) -> str:
     """Prints the replay of one dump; returns its first non-finite phase ('' if none)."""
+    if path.endswith(".factors.pt"):
+        report_factors(path, device)
+        return ""
     rec = torch.load(path, map_location="cpu", weights_only=True)
     print(f"{path}: iteration {rec['iteration']}, rank {rec['rank']}, {rec['bucket']} "
           f"({rec.get('cause', '?')}); {rec['factor_dtype']} factors, {rec['ef_dtype']} "

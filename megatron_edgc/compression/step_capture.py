@@ -33,6 +33,7 @@ class StepCapture:
 
     def __init__(self, comp, grads: Sequence[torch.Tensor], **about):
         self.comp = comp
+        self._p_sums: list = []   # each group's summed P, on the step's device
         self.record = dict(about, transposed=comp.transposed,
                            factor_dtype=str(comp.factor_dtype), ef_dtype=str(comp.ef_dtype),
                            groups=[])
@@ -56,6 +57,25 @@ class StepCapture:
             group[f"{phase}_sum"] = factor
         if flag is not None:
             self.record["flagged_by_a_rank"] = bool(flag.any())
+        if phase == "p":
+            self._p_sums = split_factors(reduced[0][:layout.factors], shapes)
+
+    def stood_in_factors(self) -> dict:
+        """The summed ``P`` of each matrix whose basis stands in when orthonormalized again
+        on the step's device, with what that device did (``[n, r]`` each, fp32, on the
+        CPU): small enough to bring back from a GPU whose whole capture is gigabytes
+        (:func:`replay_factors` reruns them, batched and one at a time)."""
+        out = dict({k: self.record[k] for k in ("iteration", "rank", "bucket")}, groups=[])
+        for group, p in zip(self.record["groups"], self._p_sums):
+            stood_in: list = []
+            orthonormalize(p, stood_in=stood_in)
+            which = stood_in[0].nonzero().view(-1).cpu()
+            if which.numel():
+                out["groups"].append(dict(key=group["key"], n=p.shape[1], rank=p.shape[2],
+                                          batch=p.shape[0], indices=which.tolist(),
+                                          p=_copy(p[which.to(p.device)])))
+        out["device"] = str(self._p_sums[0].device) if self._p_sums else "cpu"
+        return out
 
 
 def replay(record: dict, device="cpu") -> list:
@@ -97,4 +117,23 @@ def replay(record: dict, device="cpu") -> list:
         q_sum = g["q_sum"].to(device).float()
         see("Q summed (captured)", q_sum)
         see("P^ (ΣQ)ᵀ (the decompressed gradient)", torch.bmm(p_hat, q_sum.transpose(1, 2)))
+    return out
+
+
+def replay_factors(record: dict, device="cpu") -> list:
+    """``[(group key, how, matrices stood in, of how many, the smallest eigenvalue of the
+    unit-column Gram in fp64)]`` of :meth:`StepCapture.stood_in_factors`' matrices
+    orthonormalized again on ``device``: batched as the step does, and one matrix at a
+    time (cuSOLVER's batched Cholesky against its single-matrix one)."""
+    out = []
+    for g in record["groups"]:
+        p = g["p"].to(device)
+        x = p.double() / torch.linalg.vector_norm(p.double(), dim=1, keepdim=True).clamp_min(
+            1e-300)
+        smallest = float(torch.linalg.eigvalsh(x.transpose(1, 2) @ x)[:, 0].min())
+        for how, parts in (("batched", [p]), ("one at a time", list(p.split(1)))):
+            stood_in: list = []
+            for part in parts:
+                orthonormalize(part, stood_in=stood_in)
+            out.append((g["key"], how, int(torch.cat(stood_in).sum()), p.shape[0], smallest))
     return out

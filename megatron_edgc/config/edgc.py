@@ -174,11 +174,13 @@ class EdgcConfig:
                "nothing to approximate): exercises the compression path on one device",
         group="diagnostics")
     debug_dump: Optional[str] = knob(
-        None, "debug: at the first iteration a compressed bucket is flagged non-finite, "
-              "write each flagged bucket's step (its gradients, residual, warm start, rank, "
-              "dtypes and summed factors) into this directory, one file per rank and "
-              "bucket, for scripts/replay_step.py; copies every compressed bucket's inputs "
-              "and reads its flags each step (slow)", group="diagnostics")
+        None, "debug: at the first iteration a compressed bucket is flagged (non-finite, or "
+              "a basis stood in for a failed factorization), write each flagged bucket's "
+              "step (its gradients, residual, warm start, rank, dtypes and summed factors) "
+              "into this directory, one file per rank and bucket, and the summed factors "
+              "that stood in (*.factors.pt), for scripts/replay_step.py; copies every "
+              "compressed bucket's inputs and reads its flags each step (slow)",
+        group="diagnostics")
     entropy_reference: bool = knob(False, "benchmark: also estimate the entropy of the full "
                                           "gradient every iteration (JSONL entropy_full, "
                                           "entropy_full_ms); changes no decision",

@@ -1,5 +1,8 @@
 """``--edgc-debug-dump DIR``: each compressed bucket step's inputs kept until its flags are
-read, and written where a flag is set, at the first such iteration only (issue 50).
+read, and written where a flag is set, at the first such iteration only (issue 50); where
+a basis stood in for a failed factorization, also the summed factors of the matrices that
+stood in, orthonormalized again on the device (``*.factors.pt``: megabytes where the whole
+capture is gigabytes; issue 56).
 
 A debug switch, slow on purpose: it copies every flat-compressed bucket's gradients and
 state each step and reads the bucket's flags at its end (a host sync). The slow hop's
@@ -52,3 +55,7 @@ class DebugDump:
         torch.save(rec, path)
         events.append(f"{rec['bucket']} ({rec['cause']}): step captured in {path} "
                       f"(python scripts/replay_step.py {path})")
+        if factors:   # the failing factors alone: what a GPU run can bring back
+            factors_path = path[:-len(".pt")] + ".factors.pt"
+            torch.save(capture.stood_in_factors(), factors_path)
+            events.append(f"{rec['bucket']}: the factors that stood in, in {factors_path}")
