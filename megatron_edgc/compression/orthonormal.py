@@ -93,13 +93,15 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 
 def _shifted_cholesky_inverse(gram: torch.Tensor, eye: torch.Tensor, span_shift: float,
                               safe_shift: float) -> tuple:
-    """``(L⁻¹, s)`` with ``L Lᵀ = gram + s·I``, ``s = span_shift + safe_shift·max_i
-    gram_ii`` (``[k, 1, 1]``): a batched Cholesky (no error check, no host sync; it succeeds
-    by :func:`cholesky_safe_shift`) and a triangular solve, on ``[k, r, r]``."""
+    """``(L⁻¹, s, failed)`` with ``L Lᵀ = gram + s·I``, ``s = span_shift + safe_shift·max_i
+    gram_ii`` (``[k, 1, 1]``), ``failed`` the bool ``[k]`` of factorizations that reported
+    failure: a batched Cholesky (no error check, no host sync; it succeeds by
+    :func:`cholesky_safe_shift`) and a triangular solve, on ``[k, r, r]``."""
     shift = gram.diagonal(dim1=1, dim2=2).amax(dim=1).mul(safe_shift).add_(span_shift)
     shift = shift.view(-1, 1, 1)
-    lower = torch.linalg.cholesky_ex(torch.addcmul(gram, shift, eye)).L
-    return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False), shift
+    lower, info = torch.linalg.cholesky_ex(torch.addcmul(gram, shift, eye))
+    inverse = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
+    return inverse, shift, info != 0
 
 
 def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
@@ -151,8 +153,8 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     k, n, r = x.shape
     if fill is None:
         fill = orthonormal_fill(n, r, x.device)
-    given = torch.isfinite(x).all(dim=(1, 2), keepdim=True)
     columns = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=WORK_DTYPE)
+    given = torch.isfinite(columns).all(dim=2).view(-1)   # fp64 norms of fp32: exact test
     scale = columns.clamp_min(torch.finfo(WORK_DTYPE).tiny).reciprocal()
     # in fp32's range (a column of subnormals stays small: a direction P lacks)
     x = x.float() * scale.clamp_max(torch.finfo(torch.float32).max).float()
@@ -160,9 +162,9 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         trace("1. unit columns", x)
     eye = torch.eye(r, device=x.device, dtype=WORK_DTYPE)
     safe = cholesky_safe_shift(n, r)
-    inv1, s1 = _shifted_cholesky_inverse(_gram(x), eye, GRAM_SHIFT, safe)
+    inv1, s1, failed1 = _shifted_cholesky_inverse(_gram(x), eye, GRAM_SHIFT, safe)
     gram1 = eye - s1 * torch.bmm(inv1, inv1.transpose(1, 2))
-    inv2, s2 = _shifted_cholesky_inverse(gram1, eye, GRAM_SHIFT, safe)
+    inv2, s2, failed2 = _shifted_cholesky_inverse(gram1, eye, GRAM_SHIFT, safe)
     transform = torch.bmm(inv2, inv1).transpose(1, 2)           # x₂ = x₀ T
     missing = s2 * torch.bmm(inv2, inv2.transpose(1, 2))         # I - x₂ᵀx₂
     missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
@@ -172,11 +174,15 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         x = torch.baddbmm(torch.matmul(fill.float(), missing.float()), x, transform.float())
         if trace is not None:
             trace("3. missing directions filled", x)
-        inv3, _ = _shifted_cholesky_inverse(_gram(x), eye, 0.0, safe)
+        inv3, _, failed3 = _shifted_cholesky_inverse(_gram(x), eye, 0.0, safe)
         x = torch.bmm(x, inv3.transpose(1, 2).float())
     if trace is not None:
         trace("4. CholeskyQR pass", x)
-    failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
+    # a failure is seen in [k, r, r]: a factorization's report, or a non-finite factor
+    # (cuSOLVER's NaN); the output is a product of finite factors otherwise
+    factors = torch.cat([transform, missing, inv3], dim=2)
+    failed = failed1 | failed2 | failed3 | torch.isfinite(factors).all(dim=(1, 2)).logical_not()
+    failed = (given & failed).view(-1, 1, 1)
     x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
     if trace is not None:
         trace("5. a fixed basis where a factorization failed", x)
