@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_edgc.compression.orthonormal import orthonormal_fill as _fill64
-from megatron_edgc.compression.orthonormal import orthonormal_stand_in
+from megatron_edgc.compression.orthonormal import (_IeeeFp32Matmul, orthonormal_fill,
+                                                   orthonormal_stand_in)
 
 #: The diagonal shift of the first two CholeskyQR passes: at least GRAM_SHIFT (relative
 #: to a unit column), and at least GRAM_ROUNDING times the Gram matrix's Frobenius norm.
@@ -25,35 +25,6 @@ from megatron_edgc.compression.orthonormal import orthonormal_stand_in
 #: norm), below the absolute 1e-5, and cuSOLVER's Cholesky gave NaN (issue 50).
 GRAM_SHIFT = 1e-5
 GRAM_ROUNDING = 1e-6
-#: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
-#: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
-ORTHOGONALITY_BOUND = 1e-5
-
-def orthonormal_fill(n: int, r: int, device) -> torch.Tensor:
-    """Today's fill in fp32."""
-    return _fill64(n, r, device).float()
-
-
-class _IeeeFp32Matmul:
-    """fp32 products without TF32 inside (a Gram matrix in TF32 loses the small singular
-    values CholeskyQR depends on); restores the caller's setting. A host flag, no sync."""
-
-    def __enter__(self):
-        matmul = torch.backends.cuda.matmul
-        self.new_api = hasattr(matmul, "fp32_precision")
-        if self.new_api:
-            self.saved = matmul.fp32_precision
-            matmul.fp32_precision = "ieee"
-        else:
-            self.saved = matmul.allow_tf32
-            matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        matmul = torch.backends.cuda.matmul
-        if self.new_api:
-            matmul.fp32_precision = self.saved
-        else:
-            matmul.allow_tf32 = self.saved
 
 
 def _cholesky_qr_pass(x: torch.Tensor, eye: torch.Tensor, shifted: bool) -> torch.Tensor:
