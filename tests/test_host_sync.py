@@ -23,6 +23,7 @@ from host_sync import HostSyncCounter
 from megatron_edgc.compression.activation import ActivationGradSender
 from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.patches import ddp
+from megatron_edgc.patches.dense_fallback import FALLBACK_AFTER_FAILURES, DenseFallback
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator, PPSendStats
 from megatron_edgc.patches.timing import IntervalClock
 
@@ -222,7 +223,7 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_go_dense_and_com
     compressed without a failure reset it. The state is checkpointed."""
     chunk = fake_ddp_chunk()
     compression = compression_of(chunk, one_process_group)
-    compression.fallback_iters = 3
+    compression.fallback.iters = 3
     gen = torch.Generator().manual_seed(2)
     key = "chunk0.group0.bucket1"
     comp = compression.compressors[key]
@@ -257,16 +258,16 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_go_dense_and_com
         assert step.events[0] == (f"non-finite factors from finite gradients in {key}: "
                                   f"gradients left non-finite, error feedback untouched")
         if it == 1:
-            assert compression.fallbacks == {}
+            assert compression.fallback.fallbacks == {}
             quiet = compression.stats.take()      # a read free of failures:
             quiet.compressed = True               # the count starts again
             compression.observe_failures([quiet], it + 1)
-            assert compression._factor_failures == {}
+            assert compression.fallback.failures == {}
             compression.observe_failures([step], it + 1)
-    assert compression.fallbacks == {key: ddp.DenseFallback(6, 3)}
+    assert compression.fallback.fallbacks == {key: DenseFallback(6, 3)}
     assert step.events[-1] == (
         f"{key}: compression's factors failed from finite gradients "
-        f"{ddp.FALLBACK_AFTER_FAILURES} times by iteration 3: sent dense (an all-reduce of "
+        f"{FALLBACK_AFTER_FAILURES} times by iteration 3: sent dense (an all-reduce of "
         f"the bucket, as megatron-core's) for iterations 4-6, then compressed again")
     assert compression.state_dict()["fallbacks"] == {key: [6, 3]}
     residual_sum = sum(float(g.residual.double().sum()) for g in comp.groups.values())
@@ -284,24 +285,24 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_go_dense_and_com
     # ... restored from a checkpoint taken while it was dense, the same turn
     restored = compression_of(fake_ddp_chunk(), one_process_group)
     restored.load_state_dict(compression.state_dict())
-    assert restored.fallbacks == compression.fallbacks
+    assert restored.fallback.fallbacks == compression.fallback.fallbacks
     step_at(7, fail=True)
     step_at(8, fail=True)                               # failing again: twice as long
-    assert compression.fallbacks == {key: ddp.DenseFallback(9 + 6, 6)}
+    assert compression.fallback.fallbacks == {key: DenseFallback(9 + 6, 6)}
     for it in range(9, 15):
         step_at(it)
         assert key in compression.dense_keys
     for it in range(15, 20):                            # compressed, clean
         step_at(it)
-        assert key not in compression.dense_keys and key in compression.fallbacks
+        assert key not in compression.dense_keys and key in compression.fallback.fallbacks
     step_at(20)             # an interval (6) compressed without a failure: reset
-    assert compression.fallbacks == {}
+    assert compression.fallback.fallbacks == {}
     # a checkpoint of before issue 56 (dense for good): tried again at once
     old = compression.state_dict()
     del old["fallbacks"]
     old["fallen_back"] = [key]
     restored.load_state_dict(old)
-    assert restored.fallbacks == {key: ddp.DenseFallback(0, 20)}   # its fallback_iters
+    assert restored.fallback.fallbacks == {key: DenseFallback(0, 20)}   # its fallback_iters
 
 
 def test_a_failed_factorization_loses_no_step(one_process_group, monkeypatch):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import types
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -44,6 +43,7 @@ from megatron_edgc.patches import features
 from megatron_edgc.patches.bucket_matrices import bucket_matrices, stacked_expert_shapes
 from megatron_edgc.patches.bypass_planner import BypassPlanner
 from megatron_edgc.patches.debug_dump import DebugDump
+from megatron_edgc.patches.dense_fallback import FallbackPolicy
 from megatron_edgc.patches.dp_pipeline import BucketPipeline
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.dp_stats import DPSyncStats
@@ -59,24 +59,6 @@ from megatron_edgc.patches.timing import IntervalClock
 __all__ = ["DPGradientCompression", "DPSyncStats", "megatron_sync_bytes", "reduction_group"]
 
 logger = logging.getLogger(__name__)
-
-#: A bucket whose compression's factors keep failing from finite gradients (a
-#: factorization failed, or a factor came out non-finite) this many times, with no read of
-#: the flags free of failures between, is sent dense (an all-reduce of the whole bucket,
-#: as megatron-core's) for ``--edgc-fallback-iters`` iterations, then compressed again.
-FALLBACK_AFTER_FAILURES = 2
-#: The fallback's interval doubles while failures repeat, up to this many times the first.
-FALLBACK_MAX_GROWTH = 64
-
-
-@dataclass
-class DenseFallback:
-    """A bucket sent dense because its factors failed: dense for iterations before
-    ``until`` (0-based), then compressed again; ``interval`` is how long it was sent dense
-    (the next fallback's is twice it, while failures repeat)."""
-
-    until: int
-    interval: int
 
 #: ``--edgc-dense-wire``: the dtype a dense sync puts on the wire ("grad": the buffer's).
 DENSE_WIRE_DTYPES = {"bf16": torch.bfloat16}
@@ -167,9 +149,7 @@ class DPGradientCompression:
         self._timed_links: dict = {}   # id(process group) -> link index, once measured
         self.dense_keys: frozenset = frozenset()       # buckets sent dense this iteration
         self.fallback_keys: frozenset = frozenset()    # ... of those, by the fallback
-        self.fallback_iters = fallback_iters
-        self.fallbacks: dict[str, DenseFallback] = {}  # buckets whose factors failed
-        self._factor_failures: dict = {}               # bucket key -> failures so far
+        self.fallback = FallbackPolicy(self.plans, fallback_iters)  # factors that failed
         self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
 
     # ------------------------------------------------------------------ views
@@ -203,7 +183,7 @@ class DPGradientCompression:
             return
         for plan in self.plans.values():
             plan.compressor.prepare()
-        self._fallback_turn()
+        self.fallback_keys = self.fallback.dense_at(self.iteration, self.stats.events)
         if self.bypass != "auto":
             self.dense_keys = self.fallback_keys
             return
@@ -225,17 +205,6 @@ class DPGradientCompression:
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
         self.dense_keys = frozenset(dense) | self.fallback_keys
 
-    def _fallback_turn(self) -> None:
-        """The buckets the fallback sends dense this iteration; a bucket whose interval
-        ends here is compressed again, named in one line."""
-        it = self.iteration
-        self.fallback_keys = frozenset(k for k, f in self.fallbacks.items() if it < f.until)
-        for key, f in self.fallbacks.items():
-            if it == f.until:
-                self.stats.events.append(
-                    f"{key}: compressed again from iteration {it + 1}, after {f.interval} "
-                    f"iterations sent dense (its factors had failed)")
-
     def _can_time_links(self) -> bool:
         """Whether the collectives can be stamped at completion without waiting: CPU
         tensors (gloo's completion callback) or NCCL (an event on a side stream). gloo on
@@ -253,38 +222,17 @@ class DPGradientCompression:
     def observe_failures(self, steps: list, iteration: int) -> None:
         """Count the factor failures of read steps (``DPSyncStats`` after ``resolve_all``,
         the last of them iteration ``iteration``, 1-based), each bucket's the MAX over the
-        DP group (on the slow hop a failure is one shard's view). A bucket that reaches
-        :data:`FALLBACK_AFTER_FAILURES` without a read free of failures between them is
-        sent dense from the next iteration for ``fallback_iters`` iterations, then
-        compressed again; while failures repeat the interval doubles (up to
-        :data:`FALLBACK_MAX_GROWTH` times), and it resets once the bucket has compressed
-        as long without one. Each turn is named in one line. A collective on the DP group
-        where the steps compressed: every member reads the same steps at the same flush."""
+        DP group (on the slow hop a failure is one shard's view), into the dense fallback
+        (:class:`~megatron_edgc.patches.dense_fallback.FallbackPolicy`). A collective on
+        the DP group where the steps compressed: every member reads the same steps at the
+        same flush."""
         if not steps or not any(s.compressed for s in steps):
             return
         keys = list(self.plans)
         counts = torch.tensor([float(sum(s.factor_failures.count(k) for s in steps))
                                for k in keys], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
-        for key, count in zip(keys, counts.tolist()):
-            fallback = self.fallbacks.get(key)
-            if not count:   # a read without a failure: the bucket recovered
-                self._factor_failures.pop(key, None)
-                if fallback is not None and iteration >= fallback.until + fallback.interval:
-                    del self.fallbacks[key]   # compressed an interval long: reset
-                continue
-            total = self._factor_failures[key] = self._factor_failures.get(key, 0) + int(count)
-            if total < FALLBACK_AFTER_FAILURES or (fallback and iteration < fallback.until):
-                continue
-            interval = self.fallback_iters if fallback is None else \
-                min(2 * fallback.interval, FALLBACK_MAX_GROWTH * self.fallback_iters)
-            self.fallbacks[key] = DenseFallback(iteration + interval, interval)
-            self._factor_failures.pop(key)
-            steps[-1].events.append(
-                f"{key}: compression's factors failed from finite gradients {total} times "
-                f"by iteration {iteration}: sent dense (an all-reduce of the bucket, as "
-                f"megatron-core's) for iterations {iteration + 1}-{iteration + interval}, "
-                f"then compressed again")
+        self.fallback.observe(dict(zip(keys, counts.tolist())), iteration, steps[-1].events)
 
     def set_rank(self, rank) -> None:
         """A new rank for every bucket (None: dense; the compressor state is kept); a dict
@@ -372,23 +320,14 @@ class DPGradientCompression:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank,
-                "fallbacks": {k: [f.until, f.interval] for k, f in self.fallbacks.items()},
-                "factor_failures": dict(self._factor_failures),
+        return {"rank": self.rank, **self.fallback.state_dict(),
                 "buckets": {k: p.compressor.state_dict() for k, p in self.plans.items()},
                 "cost_model": self.planner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             self.set_rank(state["rank"])
-        fallbacks = {k: DenseFallback(*v) for k, v in state.get("fallbacks", {}).items()}
-        # a checkpoint of before the fallback came back: its buckets dense "for good" are
-        # tried again at once, and a new failure sends them dense for twice the interval
-        fallbacks.update({k: DenseFallback(0, self.fallback_iters)
-                          for k in state.get("fallen_back", ()) if k not in fallbacks})
-        self.fallbacks = {k: f for k, f in fallbacks.items() if k in self.plans}
-        self._factor_failures = {k: v for k, v in state.get("factor_failures", {}).items()
-                                 if k in self.plans}
+        self.fallback.load_state_dict(state)
         if "cost_model" in state:   # the measured link and math: priced as before
             self.planner.load_state_dict(state["cost_model"])
         for key, plan in self.plans.items():
