@@ -581,7 +581,10 @@ class Checklist:
         """Rerun ``base`` with ``--edgc-debug-dump OUT/dumps/NAME`` to ``CAPTURE_MARGIN``
         iterations past ``first`` (its first failure; ``--exit-interval`` keeps the LR
         schedule of the timed run), then replay the capture on this device
-        (``scripts/replay_step.py``); into ``d["capture"]``. Returns the seconds spent."""
+        (``scripts/replay_step.py``: the step phase by phase, and the factors that stood
+        in batched and one at a time); into ``d["capture"]``. The whole captures are
+        removed after the replay, the ``*.factors.pt`` kept (megabytes: they come back
+        from a lent device). Returns the seconds spent."""
         dump = os.path.join(self.out, "dumps", name)
         shutil.rmtree(dump, ignore_errors=True)
         stop = min(iters, (first or 1) + CAPTURE_MARGIN)
@@ -599,9 +602,12 @@ class Checklist:
                                  self.env, self.args.run_timeout,
                                  os.path.join(self.logs, name + "-replay.log"))
             seconds += secs
-            cap["replay"] = [ln for ln in tail.splitlines()
-                             if ln.startswith(("first non-finite", "every phase"))] or \
-                [f"replay rc {rc}"]
+            cap["replay"] = [ln.strip() for ln in tail.splitlines()
+                             if ln.startswith(("first non-finite", "every phase"))
+                             or "stood in (smallest eigenvalue" in ln] or [f"replay rc {rc}"]
+            for f in files:   # gigabytes at this width: only the failing factors travel back
+                if not f.endswith(".factors.pt"):
+                    os.remove(f)
         else:
             cap["replay"] = ["no capture written: the failure did not recur in the rerun"]
         d["capture"] = cap

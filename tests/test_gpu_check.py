@@ -322,6 +322,34 @@ def test_a_stand_in_basis_or_a_dense_fallback_fails_a_measured_check(tmp_path, m
         "no capture written: the failure did not recur in the rerun"]
 
 
+def test_a_capture_is_replayed_and_only_the_failing_factors_are_kept(tmp_path, monkeypatch):
+    """A failing medium check's capture rerun writes the whole step (gigabytes at this
+    width) and the factors that stood in: the replay's verdict and its factor lines go into
+    the report, the whole step is removed, the ``*.factors.pt`` kept to travel back."""
+    gpu_check = load_gpu_check()
+    checks, _ = measured_checklist(gpu_check, tmp_path, monkeypatch, "cuda",
+                                   lambda name, flags: ([], ""))
+    dump = tmp_path / "out" / "dumps" / "e2e-gpt2-medium-static"
+
+    def train(name, flags, timeout, env=None):
+        dump.mkdir(parents=True)
+        (dump / "iter23-rank0-chunk0.group0.bucket0.pt").write_bytes(b"x" * 1024)
+        (dump / "iter23-rank0-chunk0.group0.bucket0.factors.pt").write_bytes(b"y")
+        return {"rc": 0, "tail": "", "seconds": 1.0, "records": [], "log": ""}
+
+    replayed = ["  ok          g: P summed (captured)",
+                "every phase finite on cuda: the failure did not reproduce here",
+                "  (3072, 1024) batched: 1 of 24 stood in (smallest eigenvalue of the "
+                "unit-column Gram, fp64: -1.0e-07)"]
+    monkeypatch.setattr(checks, "_train", train)
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: (0, "\n".join(replayed), 2.0))
+    d = {"summary": "FACTORIZATIONS FAILED"}
+    assert checks.capture("e2e-gpt2-medium-static", [], 23, 100, d) == 3.0
+    assert d["capture"]["replay"] == [line.strip() for line in replayed[1:]]
+    assert sorted(p.name for p in dump.iterdir()) == \
+        ["iter23-rank0-chunk0.group0.bucket0.factors.pt"]
+
+
 def test_the_event_texts_the_checks_count_are_the_dp_sync_s(tmp_path):
     """STOOD_IN and NONFINITE_FACTORS are the lines megatron_edgc/patches/dp_stats.py
     writes for a bucket's flags (factors failed from finite gradients; non-finite)."""
