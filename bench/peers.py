@@ -74,13 +74,22 @@ CONFIG, R_MAX, R_MIN = "configs/tiny-cpu.yaml", 32, 8
 PURE_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
            "--data-parallel-size", "4"]
 RATES = ["100mbit", "300mbit", "1gbit"]
-SEEDS = [1234, 1235, 1236]
+SEEDS = [1234, 1235, 1236, 1237, 1238]
 REPEATS = 2
 EVAL_EVERY = 20
-OURS = ("static r_max", "static r_min", "EDGC", "EDGC budget", "EDGC bf16 dense",
-        "EDGC bf16 grads", "EDGC budget @100mbit", "EDGC budget @300mbit",
-        "EDGC budget @1gbit", "EDGC bypass @1gbit", "EDGC bf16 dense overlap")
+OURS = ("ours dense bf16 wire", "static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
+#: The modes trained in bf16 (bf16 mixed precision, bf16 gradient buffers); the rest fp32.
+#: Ratios are taken within a precision.
+BF16_TRAINED = ("dense bf16", "static r_max bf16", "EDGC bf16 grads")
+#: The static PowerSGD each precision's EDGC must be no slower than.
+STATIC_OF = {"fp32": "static r_max", "bf16": "static r_max bf16"}
+#: The target: dense fp32's val loss at this fraction of the run (the highest over seeds).
+TARGET_FRACTION = 0.75
 TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
+
+
+def precision(mode: str) -> str:
+    return "bf16" if mode in BF16_TRAINED else "fp32"
 
 
 def edgc_flags(iters: int, controller: str, paper_warmup: bool = False) -> list:
@@ -114,33 +123,29 @@ def modes(iters: int) -> dict:
     warm-up: fp32 dense to iteration 80; the byte budget), kept as recorded."""
     static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "off"]
     return {
+        # trained in fp32
         "dense fp32": (TRAINER, ["--edgc-mode", "off"]),
+        "torch DDP fp32": (DDP, ["--hook", "allreduce"]),
+        # this product's dense sync on a bf16 wire (the warm-up's, the bypass's): a static
+        # run that never starts compressing
+        "ours dense bf16 wire": (TRAINER, ["--edgc-mode", "static", "--edgc-rank", str(R_MAX),
+                                           "--edgc-start-iter", "1000000", "--edgc-bypass",
+                                           "off", *BF16_DENSE]),
         "bf16 wire": (DDP, ["--hook", "bf16"]),
         "uint8": (DDP, ["--hook", "quantize"]),
         "hook r_max": (DDP, ["--hook", "powersgd", "--hook-rank", str(R_MAX)]),
         "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
         "static r_max": (TRAINER, static + ["--edgc-rank", str(R_MAX)]),
-        "static r_min": (TRAINER, static + ["--edgc-rank", str(R_MIN)]),
-        "EDGC": (TRAINER, edgc_flags(iters, "paper", paper_warmup=True)),
-        "EDGC budget": (TRAINER, edgc_flags(iters, "budget", paper_warmup=True)),
-        "EDGC bf16 dense": (TRAINER, edgc_flags(iters, "paper") + BF16_DENSE),
+        "EDGC": (TRAINER, edgc_flags(iters, "paper")),
+        # trained in bf16 (megatron-core's bf16 mixed precision, bf16 gradient buffers)
+        "dense bf16": (TRAINER, ["--edgc-mode", "off", *BF16_GRADS]),
+        "static r_max bf16": (TRAINER, static + ["--edgc-rank", str(R_MAX), *BF16_GRADS]),
         "EDGC bf16 grads": (TRAINER, edgc_flags(iters, "paper") + BF16_GRADS),
-        # the time budget and the bypass price the link: declared as the one timed, in
-        # the loss run too (on loopback a measured link would be another link)
-        **{f"EDGC budget @{rate}": (TRAINER, edgc_flags(iters, "budget") + BF16_DENSE + [
-            "--edgc-link-gbps", str(LINK_GBPS[rate])]) for rate in RATES},
-        "EDGC bypass @1gbit": (TRAINER, [*edgc_flags(iters, "paper"), *BF16_DENSE,
-                                         "--edgc-bypass", "auto", "--edgc-link-gbps", "1.0"]),
-        # Megatron-LM users reduce during backward: the same math (the loss curve of the
-        # mode without it), timed with megatron-core's default buckets
-        "dense fp32 overlap": (TRAINER, ["--edgc-mode", "off", "--overlap-grad-reduce"]),
-        "EDGC bf16 dense overlap": (TRAINER, edgc_flags(iters, "paper") + BF16_DENSE
-                                    + ["--overlap-grad-reduce"]),
     }
 
 
 #: Timing-only modes: their loss curve is this mode's (the same math).
-LOSS_OF = {"dense fp32 overlap": "dense fp32", "EDGC bf16 dense overlap": "EDGC bf16 dense"}
+LOSS_OF = {"torch DDP fp32": "dense fp32", "ours dense bf16 wire": "bf16 wire"}
 
 
 LINK_GBPS = {"100mbit": 0.1, "300mbit": 0.3, "1gbit": 1.0}
@@ -170,16 +175,16 @@ def run_losses(out: str, iters: int, only=None) -> None:
                          os.path.join(out, "loss"), iters, reuse=True, script=script)
 
 
-def run_timing(out: str, iters: int, only=None) -> None:
+def run_timing(out: str, iters: int, only=None, rates=RATES, repeats=REPEATS) -> None:
     port = 29700
-    for rate in RATES:
+    for rate in rates:
         try:
             net_cm = ShapedNetwork(4, rate)
             net = net_cm.__enter__()
         except NetnsUnavailable as exc:
             raise SystemExit(f"the timing runs need tbf-shaped namespaces (root): {exc}")
         try:
-            for rep in range(REPEATS):
+            for rep in range(repeats):
                 for name, (script, flags) in modes(iters).items():
                     if (only and name not in only) or not on_link(name, rate):
                         continue
@@ -273,23 +278,42 @@ def priced(records, ms: float, warm_ms: float) -> list:
     return [dict(r, iter_ms=warm_ms if r["iteration"] <= warm else ms) for r in records]
 
 
-def target_loss(data: dict):
-    """The worst final validation loss of the two dense runs (fp32 and bf16 wire) over
-    every seed: one loss level every dense run reached. (Per seed, a mode whose final
-    loss sits a seed-noise above its seed's dense final would never reach it in the run,
-    whatever its speed.) None until both dense modes have a run."""
+def val_at(records, iteration: float):
+    """The validation loss at ``iteration``, linear between the evaluations around it."""
+    evals = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
+    for (i0, l0), (i1, l1) in zip(evals, evals[1:]):
+        if i0 <= iteration <= i1:
+            return l0 + (l1 - l0) * (iteration - i0) / (i1 - i0)
+    return None
+
+
+def target_loss(data: dict, fraction: float = TARGET_FRACTION):
+    """Dense fp32's validation loss at ``fraction`` of its run, the highest over the seeds:
+    a loss every dense and peer run reaches well before its last evaluation (a mode equal
+    to dense then does not miss it by a seed's noise). None until dense fp32 has a run."""
+    vals = []
+    for records in data["loss"].get("dense fp32", {}).values():
+        last = max(r["iteration"] for r in records)
+        vals.append(val_at(records, fraction * last))
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def old_target_loss(data: dict):
+    """The first and second races' target: the worst final validation loss of the two
+    dense runs (fp32 and bf16 wire) over every seed (kept for comparison: a mode equal to
+    dense misses it by chance on the seed that set it)."""
     finals = [final_val(records) for mode in ("dense fp32", "bf16 wire")
               for records in data["loss"].get(mode, {}).values()]
     finals = [f for f in finals if f is not None]
     return max(finals) if finals else None
 
 
-def times_to_target(data: dict, rate: str) -> dict:
-    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` to :func:`target_loss`
-    (None where a run never reaches it)."""
+def times_to_target(data: dict, rate: str, target) -> dict:
+    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` to ``target`` (None where a
+    run never reaches it)."""
     loss, timing = data["loss"], data["time"].get(rate, {})
     dense = timing.get("dense fp32")
-    target = target_loss(data)
     out = {}
     for mode, seeds in loss.items():
         if mode not in timing or dense is None or target is None:
@@ -303,6 +327,13 @@ def times_to_target(data: dict, rate: str) -> dict:
                 vals.append(time_to_loss(priced(records, fig["iter_ms"], warm_ms), target))
         out[mode] = vals
     return out
+
+
+def iterations_to(data: dict, target) -> dict:
+    """``{mode: [iterations to target per seed]}`` (interpolated; None: not reached)."""
+    return {m: [None if target is None else
+                time_to_loss([dict(r, iter_ms=1e3) for r in recs], target)
+                for _, recs in sorted(seeds.items())] for m, seeds in data["loss"].items()}
 
 
 def spread(vals, spec=".1f", scale=1.0) -> str:
@@ -331,43 +362,64 @@ def ratio_verdict(ratios: list) -> str:
     return cell + " no difference"
 
 
+def paired(ttt: dict, mode: str, other: str):
+    """Paired ratios of ``mode`` to ``other`` (None unless both reached on every pair)."""
+    a, b = ttt.get(mode), ttt.get(other)
+    if not a or not b or None in a or None in b:
+        return None
+    return [x / y for x, y in zip(a, b)]
+
+
 def report(data: dict) -> tuple[str, dict]:
-    target = target_loss(data)
-    iters_to = {m: [None if target is None else
-                    time_to_loss([dict(r, iter_ms=1e3) for r in recs], target)
-                    for recs in seeds.values()] for m, seeds in data["loss"].items()}
-    lines = ["| link | mode | ms/iter | DP sync ms | DP MiB/iter | compress ms | final val loss "
-             "(3 seeds) | iterations to target | time to target s | vs best peer, paired |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    target, old = target_loss(data), old_target_loss(data)
+    iters_to = iterations_to(data, target)
+    lines = ["| link | mode | trained in | ms/iter | DP sync ms | DP MiB/iter | compress ms | "
+             f"final val loss ({len(SEEDS)} seeds) | iterations to target | time to target s | "
+             "vs best peer of its precision, paired | vs static r_max, paired | "
+             "time to old target s |", "|---" * 13 + "|"]
     verdicts = {}
     for rate in RATES:
         if rate not in data["time"]:
             continue
-        ttt = times_to_target(data, rate)
-        peers = {m: v for m, v in ttt.items() if m not in OURS and v and None not in v}
-        best = min(peers, key=lambda m: numpy.median(peers[m])) if peers else None
-        verdicts[rate] = {"best_peer": best}
+        ttt = times_to_target(data, rate, target)
+        ttt_old = times_to_target(data, rate, old)
+        best = {}
+        for prec in ("fp32", "bf16"):
+            peers = {m: v for m, v in ttt.items() if m not in OURS and precision(m) == prec
+                     and v and None not in v}
+            best[prec] = min(peers, key=lambda m: numpy.median(peers[m])) if peers else None
+        verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
         for mode in modes(200):
             figs = data["time"][rate].get(mode)
             if not figs:
                 continue
+            prec = precision(mode)
             finals = [final_val(r) for r in data["loss"].get(mode, {}).values()]
-            vs = "—"
-            if best is not None and ttt.get(mode) and None not in ttt[mode]:
-                ratios = [a / b for a, b in zip(ttt[mode], peers[best])]
-                vs = "1 (best peer)" if mode == best else ratio_verdict(ratios)
-                verdicts[rate][mode] = ratios
-            reached = ttt.get(mode) or []
-            t_cell = spread(reached) if reached and None not in reached else \
-                f"not reached in {sum(v is None for v in reached)} of {len(reached)}"
+            vs, vs_static = "—", "—"
+            ratios = paired(ttt, mode, best[prec]) if best[prec] else None
+            if ratios:
+                vs = "1 (best peer)" if mode == best[prec] else ratio_verdict(ratios)
+                verdicts[rate]["vs_peer"][mode] = ratios
+            static = STATIC_OF[prec]
+            if mode in OURS and mode != static and "dense" not in mode:
+                ratios = paired(ttt, mode, static)
+                if ratios:
+                    vs_static = ratio_verdict(ratios)
+                    verdicts[rate]["vs_static"][mode] = ratios
+
+            def t_cell(vals):
+                vals = vals or []
+                return spread(vals) if vals and None not in vals else \
+                    f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
             lines.append(
-                f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | {mode} | "
+                f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | {mode} | {prec} | "
                 f"{spread([f['iter_ms'] for f in figs], '.0f')} | "
                 f"{spread([f['sync_ms'] for f in figs], '.0f')} | "
                 f"{spread([f['mib'] for f in figs], '.2f')} | "
                 f"{spread([f['compress_ms'] for f in figs if f['compress_ms'] is not None])} | "
                 f"{spread([v for v in finals if v is not None], '.4f')} | "
-                f"{iters_cell(iters_to.get(mode, []))} | {t_cell} | {vs} |")
+                f"{iters_cell(iters_to.get(mode, []))} | {t_cell(ttt.get(mode))} | {vs} | "
+                f"{vs_static} | {t_cell(ttt_old.get(mode))} |")
     return "\n".join(lines), verdicts
 
 
@@ -379,6 +431,9 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=None, choices=list(modes(200)),
                    help="run only these modes (the report still reads every recorded run)")
     p.add_argument("--phase", choices=("all", "loss", "time"), default="all")
+    p.add_argument("--rates", nargs="+", default=RATES, choices=RATES,
+                   help="time on these links only")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="timing repetitions")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "peers"))
     args = p.parse_args()
@@ -390,27 +445,32 @@ def main() -> int:
         if args.phase in ("all", "loss"):
             run_losses(args.out, args.loss_iters, args.modes)
         if args.phase in ("all", "time"):
-            run_timing(args.out, args.time_iters, args.modes)
+            run_timing(args.out, args.time_iters, args.modes, args.rates, args.repeats)
     data = collect(args.out, args.loss_iters, args.time_iters)
     table, verdicts = report(data)
+    target, old = target_loss(data), old_target_loss(data)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"verdicts": verdicts,
+        json.dump({"target": target, "old_target": old, "verdicts": verdicts,
                    "timing": data["time"],
+                   "iterations_to_target": iterations_to(data, target),
                    "final_val": {m: {s: final_val(r) for s, r in v.items()}
                                  for m, v in data["loss"].items()}}, fh, indent=1)
-    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4, fp32 training for every mode but "
-            f"EDGC bf16 grads (why: "
-            f"bench/peers.py's docstring); r_max {R_MAX}, r_min {R_MIN}. Loss curves: "
+    fmt = lambda v: "—" if v is None else format(v, ".4f")  # noqa: E731
+    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
+            f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
+            f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, SEEDS))}, an evaluation "
             f"every {EVAL_EVERY}, on loopback. Timing: {args.time_iters} iterations per link "
-            f"(tbf-shaped veth per rank), {REPEATS} repetitions; ms/iter, DP sync, MiB/iter "
-            f"(whole job, payload) and compress ms are the median (min–max) over them, after "
-            f"each run's warm-up. Time to target = the seed's loss curve priced at the link's "
-            f"ms/iter, to the worst final val loss of the two dense modes over the seeds "
-            f"({'—' if target_loss(data) is None else format(target_loss(data), '.4f')}); "
-            f"ratios pair "
-            f"seeds × repetitions against the best peer (the fastest non-EDGC mode on that "
-            f"link); a range spanning 1 is no difference.\n\n" + table + "\n\n<!-- notes -->")
+            f"(tbf-shaped veth per rank), {args.repeats} repetitions; ms/iter, DP sync, "
+            f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
+            f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
+            f"link's ms/iter, to dense fp32's val loss at {TARGET_FRACTION:.0%} of its run, the "
+            f"highest over the seeds ({fmt(target)}); the old target, the worst final val loss "
+            f"of dense fp32 and bf16 wire over the seeds ({fmt(old)}), in the last column. "
+            f"Ratios pair seeds × repetitions against the fastest peer (a mode not this "
+            f"product's) trained in the same precision, and EDGC against static PowerSGD at "
+            f"r_max of its precision; a range spanning 1 is no difference.\n\n"
+            + table + "\n\n<!-- notes -->")
     write_section("peers", "Against the peers a user would run instead: time to a target "
                   "loss", "sudo .venv/bin/python bench/peers.py", body)
     print(table)

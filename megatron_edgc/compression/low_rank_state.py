@@ -58,6 +58,9 @@ class LowRankState:
         self.groups: dict[tuple, ShapeGroup] = {}
         self.dense_indices: list[int] = []
         self._pending_flush: dict[str, torch.Tensor] = {}  # residuals of matrices gone dense
+        #: every residual is zero (none kept since the last :meth:`absorb_residual`): a
+        #: dense sync then has nothing to add, and scales and casts in one pass
+        self.residual_clear = True
         self._plan()
 
     # ------------------------------------------------------------------ planning
@@ -213,6 +216,7 @@ class LowRankState:
         assert len(grads) == len(self.entries)
         if any(g.q is None for g in self.groups.values()):
             self.prepare(grads[0].device if grads else self.device)
+        self.residual_clear = False
         return Step(grads=list(grads))
 
     def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
@@ -257,6 +261,8 @@ class LowRankState:
         its gradient and zero it — the dense message carries the whole error, nothing is
         lost. The warm-start Q is kept for the next compressed step."""
         assert len(grads) == len(self.entries)
+        if self.residual_clear and not self._pending_flush:
+            return
         for g in self.groups.values():
             if g.residual is None:
                 continue
@@ -268,6 +274,7 @@ class LowRankState:
             g.residual.zero_()
         for i in range(len(self.entries)):
             self._flush_into(i, grads[i])
+        self.residual_clear = True
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -290,6 +297,7 @@ class LowRankState:
         """Restore; returns the names whose saved state did not fit (reset to fresh)."""
         shape_ranks = {(n, m): r for n, m, r in state.get("shape_ranks", [])}
         self.set_rank(state["rank"], shape_ranks)
+        self.residual_clear = False
         mismatched = []
         mats = state["matrices"]
         dev = device if device is not None else self.device

@@ -63,12 +63,15 @@ class EdgcConfig:
                                      "paired against fp32 on three testbeds x 3 seeds the val "
                                      "loss differed inside the seed spread (BENCHMARKS.md)",
                              choices=("fp32", "bf16"), group="method")
-    ef_dtype: str = knob("bf16", "dtype of the PowerSGD error-feedback residual kept between "
-                                 "steps: bf16 (the default) halves that state, its rounding "
-                                 "not fed back; paired against fp32 on three testbeds x 3 "
-                                 "seeds every val-loss difference was inside the seed spread "
-                                 "(BENCHMARKS.md, issue 33); checkpointed with it",
-                         choices=("fp32", "bf16"),
+    ef_dtype: str = knob("auto", "dtype of the PowerSGD error-feedback residual kept between "
+                                 "steps: bf16 halves that state, its rounding not fed back "
+                                 "(paired against fp32 on three testbeds x 3 seeds every "
+                                 "val-loss difference was inside the seed spread, "
+                                 "BENCHMARKS.md issue 33); auto: bf16 where the device's "
+                                 "bf16 error-feedback kernels cost at most 1.15x fp32's, "
+                                 "measured at start-up (a GPU), else fp32 (a CPU, where "
+                                 "they cost 1.3-1.8x); checkpointed with it",
+                         choices=("auto", "fp32", "bf16"),
                          group="method")
     dense_wire: str = knob("grad", "dtype on the wire of every dense sync of a compressed "
                                    "run (the warm-up, the bypass, the uncompressed rest of a "

@@ -89,31 +89,35 @@ class GradientSampler:
         """Measure on iterations 0, every, 2·every, ... of each window."""
         return iteration_in_window % self.every == 0
 
-    def indices(self, window: int) -> Optional[torch.Tensor]:
-        """The window's element indices (None = all elements, when β = 1).
+    def indices(self, window: int, device=None) -> Optional[torch.Tensor]:
+        """The window's element indices on ``device`` (None = all elements, when β = 1).
 
-        ``round(β·numel)`` seeded uniform draws (with replacement: O(count), where a
-        permutation of all elements would cost more than the full estimate), sorted so
-        the gather reads memory in order; the same on every DP rank, redrawn each window.
-        Elements, not blocks: gradient buffers are too structured for block samples
-        (measured: 256-element blocks gave 4x the error on real gradients).
+        ``round(β·numel)`` seeded draws, one uniform in each of as many equal strata of the
+        elements (every element equally likely, as a uniform draw, with less variance):
+        in order by construction, so the gather reads memory in order with no sort, and
+        drawn on the gradients' device in O(count) (a host draw and sort of GPT-2 medium's
+        89M took 3.3 s per window on the H100). The same on every DP rank, redrawn each
+        window. Elements, not blocks: gradient buffers are too structured for block
+        samples (measured: 256-element blocks gave 4x the error on real gradients).
         """
         if self.grad_sample_rate >= 1.0:
             return None
-        if self._window != window:
+        device = torch.device("cpu" if device is None else device)
+        if self._window != window or self._indices.device != device:
             count = max(2, int(round(self.grad_sample_rate * self.numel)))
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + window) & ((1 << 63) - 1))
-            self._indices = torch.randint(self.numel, (count,), generator=gen).sort().values
+            gen = torch.Generator(device=device).manual_seed(
+                (self.seed * 1_000_003 + window) & ((1 << 63) - 1))
+            bounds = torch.arange(count + 1, device=device) * self.numel // count
+            width = bounds[1:] - bounds[:-1]
+            offset = (torch.rand(count, device=device, generator=gen) * width).long()
+            self._indices = bounds[:-1] + torch.minimum(offset, width - 1)
             self._window = window
         return self._indices
 
     def sample(self, flat_grad: torch.Tensor, window: int) -> torch.Tensor:
-        idx = self.indices(window)
+        idx = self.indices(window, flat_grad.device)
         if idx is None:
             return flat_grad
-        if idx.device != flat_grad.device:  # once per window; pinned: the host does not wait
-            pinned = idx.pin_memory() if idx.device.type == "cpu" else idx
-            idx = self._indices = pinned.to(flat_grad.device, non_blocking=True)
         return flat_grad.index_select(0, idx)
 
 

@@ -423,10 +423,11 @@ class DPGradientCompression:
                 # megatron-core's own part of the sync: not counted as compression time
                 copy_extra_main_grads(plan.bucket, into_buffer=True)
                 factor = plan.bucket.gradient_scaling_factor * scale_extra
-                if factor != 1.0:
-                    plan.bucket.grad_data *= factor
                 bypassed = self.active and plan.key in self.dense_keys
                 dense = bypassed or not self.active
+                in_cast = plan.scales_in_cast(dense)
+                if factor != 1.0 and not in_cast:
+                    plan.bucket.grad_data *= factor
                 total, slow = plan.replaced_bytes
                 stats.add_bytes(0, total - slow, reduction.expert)
                 stats.add_bytes(0, slow, reduction.expert, slow_hop=True)
@@ -435,7 +436,8 @@ class DPGradientCompression:
                     stats.bypassed_buckets += 1
                     stats.fallback_buckets += plan.key in self.fallback_keys
                 pipeline.start(plan.key, reduction.expert,
-                               plan.strategy(dense, self.debug_dump, stats.events))
+                               plan.strategy(dense, self.debug_dump, stats.events,
+                                             scale=factor if in_cast else 1.0))
 
         def finish():
             with stream_context(stream):

@@ -86,12 +86,20 @@ class BucketPlan:
         yield Phase([reduce_scatter(self.shard(), self.bucket.grad_data, self.reduction.intra)],
                     inline=True)
 
-    def dense(self) -> Strategy:
+    def scales_in_cast(self, dense: bool) -> bool:
+        """Whether a sync of this bucket scales its gradients in the cast to the dense wire
+        (:meth:`dense`, nothing to absorb) rather than in place before it."""
+        return (dense and not self.reduction.slow_hop and self.compressor.residual_clear
+                and self.bucket.grad_data.dtype != self.compressor.dense_dtype)
+
+    def dense(self, scale: float = 1.0) -> Strategy:
         """The bypass and the warm-up: the whole error into the dense message, then the
         all-reduce (on the slow hop, the shard across instances) in the dense wire dtype;
         a buffer wider than the wire travels in slices of at most the workspace, each cast
         there and back (its rounding is not fed back, as the bf16 wire of Megatron-LM's
-        ``--grad-reduce-in-bf16`` or torch's ``bf16_compress_hook``)."""
+        ``--grad-reduce-in-bf16`` or torch's ``bf16_compress_hook``). ``scale``: the
+        gradient scaling not yet applied (:meth:`scales_in_cast`), done in the cast: one
+        pass over the buffer, as torch's hook scales its bf16 copy."""
         r = self.reduction
         if r.slow_hop:
             yield from self.fast_hop()
@@ -105,7 +113,8 @@ class BucketPlan:
         step = max(1, self.compressor.workspace_bytes // dtype_bytes(wire))
         for lo in range(0, data.numel(), step):
             part = data[lo:lo + step]
-            sent = part.to(wire)
+            sent = torch.empty(part.shape, dtype=wire, device=part.device)
+            torch.mul(part, scale, out=sent)
             yield Phase([all_reduce(sent, r.process_group, slow_hop=r.slow_hop)])
             part.copy_(sent)
         return None
@@ -156,7 +165,9 @@ class BucketPlan:
         comp.finish(step, bufs)
         return step.flags()
 
-    def strategy(self, dense: bool, dump=None, events: Optional[list] = None) -> Strategy:
+    def strategy(self, dense: bool, dump=None, events: Optional[list] = None,
+                 scale: float = 1.0) -> Strategy:
+        """``scale``: where :meth:`scales_in_cast`, the scaling the dense cast applies."""
         if dense:
-            return self.dense()
+            return self.dense(scale)
         return self.slow_hop() if self.reduction.slow_hop else self.flat(dump, events)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
+from megatron_edgc.compression.ef_dtype import choose_ef_dtype
 from megatron_edgc.compression.powersgd import FACTOR_DTYPES
 from megatron_edgc.patches.ddp import DPGradientCompression, megatron_sync_bytes
 from megatron_edgc.patches.dp_stats import DPSyncStats
@@ -73,11 +74,12 @@ class EdgcRuntime:
         self._pending: list = []   # _TakenStep of each step since the last flush
         self.dp_compression = self.edgc = self.p2p = None
         if e.mode != "off":
+            ef_dtype, ef_note = self._ef_dtype(e.ef_dtype, chunks, device)
             self.dp_compression = DPGradientCompression(
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
-                factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=FACTOR_DTYPES[e.ef_dtype],
+                factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype,
                 compress_single_replica=e.compress_single_replica,
                 link_window=e.link_window, debug_dump=e.debug_dump, dense_wire=e.dense_wire,
                 fallback_iters=e.fallback_iters)
@@ -90,7 +92,7 @@ class EdgcRuntime:
                                      .replace("bfloat16", "bf16").replace("float32", "fp32")
                                      for c in chunks for b in c.buffers}))
             self.log(f"EDGC: error-feedback state {self.dp_compression.state_bytes() / 2**20:.1f}"
-                     f" MiB per rank at rank {e.rank} ({grads} gradients, {e.ef_dtype} "
+                     f" MiB per rank at rank {e.rank} ({grads} gradients, {ef_note} "
                      f"residual, {e.factor_dtype} factors){hop}")
             register_rank_state("dp_compression", self.dp_compression.state_dict,
                                 self.dp_compression.load_state_dict)
@@ -127,6 +129,26 @@ class EdgcRuntime:
         self.row = TelemetryRow(num_stages, self.edgc.entropy_sums().numel()
                                 if self.edgc is not None else 0)
         self.tally = CompressionTally(num_stages)
+
+    @staticmethod
+    def _ef_dtype(setting: str, chunks, device: torch.device) -> tuple:
+        """``(dtype, how the log names it)`` of the error-feedback residual: the flag's, or
+        for ``auto`` measured here (:func:`~megatron_edgc.compression.ef_dtype.choose_ef_dtype`,
+        the timings' MAX over the job, so every rank keeps the same)."""
+        if setting != "auto":
+            return FACTOR_DTYPES[setting], setting
+        shapes = [tuple(p.shape) for c in chunks for p in c.module.parameters() if p.dim() == 2]
+        grad_dtype = next((b.grad_data.dtype for c in chunks for b in c.buffers), torch.float32)
+
+        def agree(times: torch.Tensor) -> torch.Tensor:
+            times = times.to(device)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            return times.cpu()
+
+        dtype, fp32_ms, bf16_ms = choose_ef_dtype(shapes, grad_dtype, device, agree)
+        name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        return dtype, (f"{name} (auto: bf16's round trip {bf16_ms:.2f} ms against fp32's "
+                       f"{fp32_ms:.2f})")
 
     def close(self) -> None:
         """Drop this runtime's checkpoint-registry entries."""

@@ -1,0 +1,88 @@
+"""``--edgc-ef-dtype auto``: the error-feedback residual's dtype chosen per device from a
+measurement at start-up.
+
+A bf16 residual halves the state kept between steps (EDGC §1's error feedback), and
+costs nothing else where the device's bf16 elementwise kernels run at memory speed (a GPU:
+half the residual's bytes). Where they do not (a CPU converts bf16 in software: the
+error-feedback round trip measured 1.3–1.6× fp32's on an AMD EPYC, the whole compressed
+step 1.75× on an Intel Xeon, BENCHMARKS.md "The error feedback's dtype per device"), it
+costs time every step and saves only host memory. So ``auto`` times the round trip the
+step does on the residual — ``M = G + E`` formed, ``E = M − A Bᵀ`` kept
+(:class:`~megatron_edgc.compression.kernels.ErrorFeedback` ``form`` and ``finish``) — on
+the model's largest matrices, in both dtypes, and keeps bf16 only where it costs at most
+:data:`BF16_MAX_COST` of fp32's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup
+
+#: bf16's error-feedback round trip may cost this much of fp32's and still be chosen: a
+#: margin for timing noise, well below the 1.3× and more measured on CPUs.
+BF16_MAX_COST = 1.15
+#: Elements of the timed matrices (the largest shape's, as many as fit; one at least).
+SAMPLE_ELEMENTS = 1 << 22
+_RANK = 4            # the product's factors; their matmul is not what is compared
+_REPEATS = 5
+
+
+def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
+                   count: int, device: torch.device) -> float:
+    """Least ms of one error-feedback round trip on ``count`` matrices of ``shape``,
+    with gradients in ``grad_dtype`` (device events on a GPU, the host clock elsewhere)."""
+    n, m = shape
+    group = ShapeGroup(n, m, list(range(count)), [str(i) for i in range(count)])
+    gen = torch.Generator(device=device).manual_seed(0)
+    group.residual = torch.randn(count, n, m, device=device, generator=gen).to(ef_dtype)
+    source = torch.randn(count, n, m, device=device, generator=gen).to(grad_dtype)
+    grads = torch.empty_like(source)
+    sent = (torch.randn(count, n, _RANK, device=device, generator=gen),
+            torch.randn(count, m, _RANK, device=device, generator=gen))
+    keep = torch.zeros((), dtype=torch.bool, device=device)
+    ef = ErrorFeedback(ef_dtype, 64 << 20)
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(_REPEATS + 1):
+        grads.copy_(source)
+        views = [(0, count, grads)]
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        else:
+            t0 = time.perf_counter()
+        ef.form(group, views)
+        ef.finish(group, views, keep, sent, None)
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return min(times[1:])
+
+
+def time_ef_dtypes(shapes: Sequence[tuple], grad_dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """``[ms fp32, ms bf16]`` (fp32, on the host) of the error-feedback round trip on the
+    largest of ``shapes`` (as many matrices as :data:`SAMPLE_ELEMENTS` holds)."""
+    n, m = max(shapes, key=lambda s: s[0] * s[1])
+    count = max(1, SAMPLE_ELEMENTS // (n * m))
+    return torch.tensor([_round_trip_ms(dtype, grad_dtype, (n, m), count, device)
+                         for dtype in (torch.float32, torch.bfloat16)])
+
+
+def choose_ef_dtype(shapes: Sequence[tuple], grad_dtype: torch.dtype, device: torch.device,
+                    agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> tuple:
+    """``(dtype, ms fp32, ms bf16)``: bf16 where its round trip costs at most
+    :data:`BF16_MAX_COST` of fp32's, else fp32. ``agree(times)`` makes every rank decide
+    alike (the runtime takes the MAX over the job); no matrices: fp32, nothing timed."""
+    if not shapes:
+        return torch.float32, 0.0, 0.0
+    fp32_ms, bf16_ms = agree(time_ef_dtypes(shapes, grad_dtype, device)).tolist()
+    chosen = torch.bfloat16 if bf16_ms <= BF16_MAX_COST * fp32_ms else torch.float32
+    return chosen, fp32_ms, bf16_ms
