@@ -35,6 +35,26 @@ def test_sampler_is_seeded_identical_across_ranks_and_redrawn_per_window():
     assert GradientSampler(10, grad_sample_rate=1.0).indices(0) is None
 
 
+def test_sampler_draws_one_element_per_stratum_in_order():
+    """Stratified draws (issue 57: no host sort): index i lies in the i-th of ``count``
+    equal strata (real-valued bounds), so the indices ascend; over many windows every
+    element is drawn about equally often (a uniform sample)."""
+    numel, rate = 10_007, 0.3
+    s = GradientSampler(numel, grad_sample_rate=rate, seed=5)
+    count = round(rate * numel)
+    i = torch.arange(count)
+    hits = torch.zeros(numel)
+    for window in range(300):
+        idx = s.indices(window)
+        assert idx.numel() == count and bool((idx[1:] >= idx[:-1]).all())
+        assert bool((idx * count >= i * numel - count).all()
+                    and (idx * count < (i + 1) * numel).all())
+        hits += torch.bincount(idx, minlength=numel)
+    # each element's rate is count/numel per window: 90 expected hits, sd ~ 7.9
+    assert abs(hits.mean().item() - 300 * count / numel) < 1e-6
+    assert hits.std().item() < 12 and hits.min().item() > 40
+
+
 def test_iteration_sampling():
     s = GradientSampler(100, iter_sample_rate=0.1)
     assert [i for i in range(30) if s.should_sample(i)] == [0, 10, 20]

@@ -68,9 +68,10 @@ class EdgcConfig:
                                  "(paired against fp32 on three testbeds x 3 seeds every "
                                  "val-loss difference was inside the seed spread, "
                                  "BENCHMARKS.md issue 33); auto: bf16 where the device's "
-                                 "bf16 error-feedback kernels cost at most 1.15x fp32's, "
-                                 "measured at start-up (a GPU), else fp32 (a CPU, where "
-                                 "they cost 1.3-1.8x); checkpointed with it",
+                                 "bf16 error-feedback kernels cost at most 2x fp32's on a "
+                                 "GPU (its memory is worth it) and 1.15x elsewhere, timed "
+                                 "at start-up (CPUs measured 1.3-1.8x: fp32); "
+                                 "checkpointed with it",
                          choices=("auto", "fp32", "bf16"),
                          group="method")
     dense_wire: str = knob("grad", "dtype on the wire of every dense sync of a compressed "

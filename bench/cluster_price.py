@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""The race's modes priced on a GPT-2 medium H100 cluster: time to the race's target, modeled.
+
+    .venv/bin/python bench/cluster_price.py [--peers bench/results/peers]
+
+**Measured on CPU** (bench/peers.py's race, ``DIR/loss/*_seed*.jsonl`` via ``peers.collect``):
+iterations to ``peers.target_loss`` per mode and seed (linear between evaluations,
+``scripts/plot_run.py:time_to_loss``) and EDGC's rank per iteration (``rank_dp``; None: dense).
+The tiny model's ranks (r_max 32) are applied to GPT-2 medium's shapes as they are.
+
+**Measured on one H100** (:data:`H100`; ``/work/shared/gpu-runs/2026-11-27-h100/`` and its
+README.md: 24 layers, hidden 1024, ffn 4096, vocab 50304, seq 1024, micro-batch 8, ``--bf16``,
+DP 1 with the compression's math on): compute = median ``iter_ms``, iterations 11-40, of
+``medium-off.jsonl``; the compressed step's math = median ``dp_compress_ms`` over compressed
+iterations (``dp_bytes_sent < dp_bytes_dense``) of ``medium-static-r64.jsonl`` (fp32 gradient
+buffers, bf16 factors), ``medium-edgc-r128.jsonl`` at rank 128 (fp32 buffers; README's 13.5 ms
+is not this per-iteration figure) and ``medium-static-r64-bf16grads.jsonl``; EDGC's sampler =
+median ``entropy_ms`` of ``medium-edgc-r128.jsonl`` at each window's first iteration (the host
+draws and sorts the window's sample indices) and at its other sampled ones, amortized over the
+race config's window. Other ranks: ``bench/model.py:kernel_s`` on these points (linear between
+ranks 64 and 128, the nearest end outside: ranks 8-32 at rank 64's math, an upper bound);
+``bench/results/gpu_kernels_h100.json`` and ``bench/results/gpu/`` hold no GPT-2 medium shard.
+The shapes give the measured bytes: 4 x 354,871,296 dense, 58,449,920 at r64 (58,449,924
+measured). There the step fell back to dense after failed factorizations: not priced here.
+
+**Modeled**: an iteration = compute + math + DP communication, no overlap (in the JSON too:
+``s_overlap``, max(compute, comm) + math, an ideal; ``s_host_draw``, EDGC's window draw at
+the host's 3.3 s measured before issue 57 moved it to the GPU; the table prices it as a
+sample, not yet timed on a GPU); the same compute for every mode (fp32-trained
+modes as ``--bf16`` with fp32 gradient buffers, Megatron's default). Communication:
+``bench/model.py:allreduce_s`` (ring, alpha of its H100 cluster), pure DP over 8 and 64 GPUs
+at 10, 25, 100 Gbit/s per GPU; an all-gather of b bytes per rank = half the all-reduce of n·b.
+Bytes (``sync_bytes`` on ``shard_matrices`` + position embedding and final norm): dense, one
+all-reduce at 4 or 2 bytes per parameter; ``uint8``, all-gathers of two fp32 per 512-element
+channel then the uint8 payload; PowerSGD, P then Q (ours: bf16 factors, the rest in the
+gradient dtype; ``hook r_max``: all fp32, its math assumed ours at that rank: likely low);
+``local SGD``, gradient all-reduces for ``--hook-start-iter`` (2) iterations, then the fp32
+parameter all-reduce amortized over its period. Priced 0 (lower bounds for those peers): the
+bf16 casts, uint8's (de)quantization of n gathered copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import numpy
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import peers  # noqa: E402
+from bench.model import CLUSTERS, allreduce_s, kernel_s, shard_matrices, sync_bytes  # noqa: E402
+from bench.report import write_section  # noqa: E402
+
+GPUS, LINKS = (8, 64), (10.0, 25.0, 100.0)
+ALPHA_US = CLUSTERS["gpt2-12.1b-h100x64"].alpha_us
+LAYERS, HIDDEN, FFN, VOCAB, SEQ = 24, 1024, 4096, 50304, 1024
+CHANNEL, HOOK_START = 512, 2   # quantization_perchannel_hook's channel; --hook-start-iter
+#: Measured, H100, 2026-11-27 (the docstring says how each figure was taken).
+H100 = {"compute_ms": 210.80, "entropy_window_ms": 3278.9, "entropy_sample_ms": 1.434,
+        "math_ms": [(64, "fp32", 15.957), (128, "fp32", 23.143), (64, "bf16", 26.783)]}
+KERNELS = {"configs": {"gpt2-medium": {"runs": [
+    {"rank": r, "factor_dtype": "bf16", "grad_dtype": g, "total": ms}
+    for r, g, ms in H100["math_ms"]]}}}
+MODES = peers.modes(200)
+
+
+def medium_shapes():
+    """GPT-2 medium's weight matrices and dense rest (elements), hashable."""
+    mats, rest = shard_matrices(LAYERS, HIDDEN, FFN, VOCAB, 1, 1)
+    return tuple(mats) + ((SEQ, HIDDEN),), rest + 2 * HIDDEN   # + position emb., final norm
+
+
+def n_params(shapes) -> int:
+    return sum(n * m for n, m in shapes[0]) + shapes[1]
+
+
+def flag(mode: str, name: str):
+    flags = MODES[mode][1]
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+def bf16_trained(mode: str) -> bool:
+    return "--grad-reduce-in-bf16" in MODES[mode][1]
+
+
+def compresses(mode: str) -> bool:
+    return flag(mode, "--edgc-mode") in ("static", "edgc") or flag(mode, "--hook") == "powersgd"
+
+
+def mode_bytes(mode: str, rank, shapes) -> list:
+    """One iteration's collectives ``[(kind, bytes)]`` (all-gather: bytes per rank);
+    ``rank`` None: a dense iteration."""
+    mats, rest = shapes
+    params = n_params(shapes)
+    if flag(mode, "--hook") == "quantize":
+        chans = -(-params // CHANNEL)
+        return [("allgather", chans * 2 * 4), ("allgather", chans * CHANNEL)]
+    if rank is None or not compresses(mode):
+        bf16 = bf16_trained(mode) or "bf16" in (flag(mode, "--edgc-dense-wire"),
+                                                 flag(mode, "--hook"))
+        return [("allreduce", params * (2 if bf16 else 4))]
+    if flag(mode, "--hook") == "powersgd":
+        return [("allreduce", b) for b in sync_bytes(mats, rest, rank, 4, factor_bytes=4)]
+    b1, b2 = sync_bytes(mats, rest, rank, 4, factor_bytes=2)
+    if bf16_trained(mode):   # sync_bytes prices the rest at fp32: at bf16 it is half
+        b1 -= sync_bytes(mats, rest, rank, 4, factor_bytes=0)[0] / 2
+    return [("allreduce", b1), ("allreduce", b2)]
+
+
+def allgather_s(nbytes: float, n: int, gbit: float, alpha_us: float) -> float:
+    """Ring all-gather of ``nbytes`` per rank: (n−1)α + (n−1)·bytes/B."""
+    return allreduce_s(n * nbytes, n, gbit, alpha_us) / 2
+
+
+def comm_s(mode: str, rank, iteration: int, n: int, gbit: float, shapes,
+           alpha_us: float = ALPHA_US) -> float:
+    """Seconds of one iteration's DP communication (local SGD's averaging amortized)."""
+    if flag(mode, "--hook") == "local-sgd":
+        whole = allreduce_s(4 * n_params(shapes), n, gbit, alpha_us)
+        return whole if iteration <= HOOK_START else whole / int(flag(mode, "--local-sgd-period"))
+    return sum((allgather_s if kind == "allgather" else allreduce_s)(b, n, gbit, alpha_us)
+               for kind, b in mode_bytes(mode, rank, shapes))
+
+
+def sampler_ms(window: int, iter_sample_rate: float, draw: bool = True) -> float:
+    """EDGC's entropy sampler per iteration, amortized over a window (``draw`` False: the
+    window's host index draw costs no more than a sample)."""
+    samples = -(-window // max(1, round(1 / iter_sample_rate)))
+    first = H100["entropy_window_ms"] if draw else H100["entropy_sample_ms"]
+    return (first + (samples - 1) * H100["entropy_sample_ms"]) / window
+
+
+def math_ms(mode: str, rank) -> float:
+    """The compressed step's math (0 for a dense iteration)."""
+    if rank is None or not compresses(mode):
+        return 0.0
+    return 1e3 * kernel_s(KERNELS, "gpt2-medium", rank, "bf16",
+                          "bf16" if bf16_trained(mode) else "fp32")
+
+
+@functools.lru_cache(maxsize=None)
+def iteration_ms(mode: str, rank, iteration: int, n: int, gbit: float, overlap: bool = False,
+                 sampler: float = 0.0) -> float:
+    """compute + math (+ EDGC's ``sampler``) + communication; ``overlap``: max(compute, comm)."""
+    comm = 1e3 * comm_s(mode, rank, iteration, n, gbit, medium_shapes())
+    compute = H100["compute_ms"]
+    return (max(compute, comm) if overlap else compute + comm) + math_ms(mode, rank) + sampler
+
+
+def rank_of(record):
+    ranks = [r for r in (record.get("rank_dp") or []) if r is not None]
+    return max(ranks) if ranks else None
+
+
+def price_run(mode, records, target, n, gbit, overlap=False, sampler=0.0) -> dict:
+    """One loss run priced: mean ms/iter over the run, seconds and iterations to target."""
+    sampler = sampler if flag(mode, "--edgc-mode") == "edgc" else 0.0
+    ms = [iteration_ms(mode, rank_of(r), min(r["iteration"], HOOK_START + 1), n, gbit, overlap,
+                       sampler) for r in records]
+    priced = [dict(r, iter_ms=m) for r, m in zip(records, ms)]
+    return {"ms": float(numpy.mean(ms)), "s": peers.time_to_loss(priced, target),
+            "iters": peers.time_to_loss([dict(r, iter_ms=1e3) for r in records], target)}
+
+
+def price(data: dict, window: int, rate: float) -> dict:
+    """``{"target", "rows": [...], "unpriced": {mode: why}}`` for every mode of the race;
+    ratios per seed against the fastest peer (median) of the same training precision."""
+    target = peers.target_loss(data)
+    out = {"target": target, "rows": [], "unpriced": {}}
+    # since issue 57 the window's indices are drawn on the GPU (control/entropy.py): priced
+    # at a sample's cost (not yet timed there); the host draw the H100 measured, a variant
+    variants = {"s": (False, False), "s_overlap": (True, False), "s_host_draw": (False, True)}
+    for mode in MODES:
+        seeds = data["loss"].get(mode)
+        if not seeds or target is None:
+            out["unpriced"][mode] = "no loss run recorded" if not seeds else "no target"
+            continue
+        ours = mode in peers.OURS or mode.startswith(("static", "EDGC"))
+        for n in GPUS:
+            for gbit in LINKS:
+                runs = {v: [price_run(mode, recs, target, n, gbit, ov, sampler_ms(window, rate, d))
+                            for recs in seeds.values()] for v, (ov, d) in variants.items()}
+                out["rows"].append({
+                    "mode": mode, "gpus": n, "gbit": gbit, "ours": ours,
+                    "precision": "bf16" if bf16_trained(mode) else "fp32", "seeds": list(seeds),
+                    "iters": [r["iters"] for r in runs["s"]],
+                    "ms_per_iter": [r["ms"] for r in runs["s"]],
+                    **{v: [r["s"] for r in rs] for v, rs in runs.items()}})
+    for row in out["rows"]:
+        key = (row["gpus"], row["gbit"], row["precision"])
+        peer = [r for r in out["rows"] if (r["gpus"], r["gbit"], r["precision"]) == key
+                and not r["ours"] and None not in r["s"]]
+        if peer:
+            best = min(peer, key=lambda r: numpy.median(r["s"]))
+            row["best_peer"] = best["mode"]
+            row["vs_best_peer"] = [a and a / b for a, b in zip(row["s"], best["s"])]
+    return out
+
+
+# ---------------------------------------------------------------- output
+
+def table(result: dict, n: int) -> str:
+    lines = ["| mode | trained | iterations to target | " + " | ".join(
+        f"{g:g} Gbit/s: ms/iter | s to target | vs best peer" for g in LINKS) + " |",
+        "|" + "---|" * (3 + 3 * len(LINKS))]
+    for mode in MODES:
+        rows = {r["gbit"]: r for r in result["rows"] if r["mode"] == mode and r["gpus"] == n}
+        if not rows:
+            lines.append(f"| {mode} | — | not priced: {result['unpriced'].get(mode)} |"
+                         + " — |" * (3 * len(LINKS)))
+            continue
+        cells = []
+        for r in (rows[g] for g in LINKS):
+            vs, s = r.get("vs_best_peer"), r["s"]
+            cells += [peers.spread(r["ms_per_iter"], ".0f"), peers.spread(s) if None not in s
+                      else f"not reached in {s.count(None)} of {len(s)}",
+                      "—" if not vs or None in vs else "1 (best peer)"
+                      if r["best_peer"] == mode else peers.ratio_verdict(vs)]
+        first = rows[LINKS[0]]
+        lines.append(f"| {mode}{'' if first['ours'] else ' (peer)'} | {first['precision']} | "
+                     f"{peers.iters_cell(first['iters'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Time to target against the link, one line per mode (timing-only twins left out)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(GPUS), figsize=(6 * len(GPUS), 4.5), sharey=True)
+    for ax, n in zip(axes, GPUS):
+        for mode in (m for m in MODES if m not in peers.LOSS_OF):
+            rows = [r for r in result["rows"] if r["mode"] == mode and r["gpus"] == n
+                    and None not in r["s"]]
+            if rows:
+                ax.plot([r["gbit"] for r in rows], [numpy.median(r["s"]) for r in rows],
+                        "-o" if rows[0]["ours"] else "--s", label=mode, ms=4)
+        ax.set(xscale="log", yscale="log", xlabel="link per GPU, Gbit/s",
+               title=f"GPT-2 medium, {n} H100 (modeled)")
+        ax.set_xticks(LINKS, [f"{g:g}" for g in LINKS])
+    axes[0].set_ylabel("time to target, s (median over seeds)")
+    axes[-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--peers", default=os.path.join(ROOT, "bench", "results", "peers"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cluster_price"))
+    args = p.parse_args()
+    with open(os.path.join(ROOT, peers.CONFIG)) as fh:
+        edgc = yaml.safe_load(fh)["edgc"]
+    window, rate = edgc["window"], edgc["iter_sample_rate"]
+    result = price(peers.collect(args.peers, 200, 40), window, rate)
+    if result["target"] is None:
+        raise SystemExit(f"no target: {args.peers} lacks the dense runs")
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "time_to_target.png")
+    result.update(h100=H100, alpha_us=ALPHA_US, peers_dir=os.path.relpath(args.peers, ROOT),
+                  sampler_ms=sampler_ms(window, rate, draw=False))
+    with open(os.path.join(args.out, "cluster_price.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    plot(result, png)
+    png = os.path.relpath(png, ROOT)
+    body = (f"**Modeled** (inputs and assumptions: bench/cluster_price.py's docstring). "
+            f"Iterations to the race's target ({result['target']:.4f}; `{result['peers_dir']}`;"
+            f" median (min–max) over seeds) measured on the CPU race's tiny GPT-2; each "
+            f"iteration priced as GPT-2 medium on H100s: compute {H100['compute_ms']:.1f} ms "
+            f"and the compressed step's math measured on one H100 (2026-11-27), EDGC's entropy "
+            f"sampler {result['sampler_ms']:.1f} ms/iter (a sample measured, amortized over "
+            f"the race's window of {window}; the window's index draw priced as a sample since "
+            f"it moved to the GPU, not yet timed there), pure DP ring all-reduce (alpha {ALPHA_US:g} us), "
+            f"no overlap of communication with compute. Ratios: per seed, against the fastest "
+            f"peer trained in the same precision. Plot: [{png}]({png}); the overlap-ideal and "
+            f"host-draw (before issue 57) variants are in the JSON.\n\n"
+            + "\n\n".join(f"**{n} GPUs**\n\n{table(result, n)}" for n in GPUS)
+            + "\n\n<!-- notes -->")
+    write_section("cluster_price", "Price on a GPU cluster: GPT-2 medium, time to target "
+                  "(modeled)", ".venv/bin/python bench/cluster_price.py", body)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

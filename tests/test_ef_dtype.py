@@ -1,0 +1,75 @@
+"""``--edgc-ef-dtype auto`` (issue 57): the residual's dtype chosen from a measurement, and
+the dense sync's bookkeeping of a residual that is known zero."""
+
+import pytest
+import torch
+
+from megatron_edgc.compression import ef_dtype
+from megatron_edgc.compression.powersgd import BucketCompressor
+
+SHAPES = [(256, 64), (64, 64), (256, 64)]
+
+
+def fixed(fp32_ms, bf16_ms):
+    """An ``agree`` that replaces the measured timings (the job's MAX in the runtime)."""
+    return lambda times: torch.tensor([fp32_ms, bf16_ms], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fp32_ms,bf16_ms,chosen", [
+    (10.0, 11.5, torch.bfloat16),    # at the CPU limit, 1.15x: bf16 kept
+    (10.0, 11.6, torch.float32),     # beyond it
+    (10.0, 6.0, torch.bfloat16),     # faster
+    (10.0, 13.0, torch.float32)])    # the 1.3x measured on the AMD EPYC
+def test_cpu_keeps_bf16_only_within_its_limit(fp32_ms, bf16_ms, chosen):
+    dtype, a, b = ef_dtype.choose_ef_dtype(SHAPES, torch.float32, torch.device("cpu"),
+                                           fixed(fp32_ms, bf16_ms))
+    assert dtype == chosen and (a, b) == (fp32_ms, bf16_ms)
+
+
+def test_the_limit_follows_the_device_kind():
+    assert ef_dtype.BF16_MAX_COST["cuda"] == 2.0 and ef_dtype.BF16_MAX_COST["cpu"] == 1.15
+    assert ef_dtype.choose_ef_dtype([], torch.float32, torch.device("cpu")) == \
+        (torch.float32, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_timings_are_of_the_largest_shape_and_both_dtypes(grad_dtype, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ef_dtype, "_round_trip_ms",
+                        lambda dtype, g, shape, count, device: calls.append(
+                            (dtype, g, shape, count)) or 1.0)
+    times = ef_dtype.time_ef_dtypes(SHAPES, grad_dtype, torch.device("cpu"))
+    count = ef_dtype.SAMPLE_ELEMENTS // (256 * 64)
+    assert times.tolist() == [1.0, 1.0]
+    assert calls == [(torch.float32, grad_dtype, (256, 64), count),
+                     (torch.bfloat16, grad_dtype, (256, 64), count)]
+
+
+def test_round_trip_leaves_the_residual_it_measures_finite():
+    ms = ef_dtype._round_trip_ms(torch.bfloat16, torch.bfloat16, (32, 16), 3,
+                                 torch.device("cpu"))
+    assert 0.0 < ms < 1e4
+
+
+def test_a_dense_sync_adds_a_residual_once_and_then_nothing():
+    """After a compressed step the residual goes into the next dense message (nothing
+    lost); a second dense sync adds nothing: the residual is known zero, so the dense
+    wire may scale in its cast (``BucketPlan.scales_in_cast``)."""
+    torch.manual_seed(0)
+    comp = BucketCompressor([(f"w{i}", s) for i, s in enumerate(SHAPES)], 4, seed=0)
+    assert comp.residual_clear
+    grads = [torch.randn(s) for s in SHAPES]
+    bufs, step = comp.start(grads)
+    comp.finish(step, comp.middle(step, bufs))
+    assert not comp.residual_clear
+    residual = {k: g.residual.clone() for k, g in comp.groups.items()}
+    assert sum(r.abs().sum() for r in residual.values()) > 0
+    dense = [torch.randn(s) for s in SHAPES]
+    before = [d.clone() for d in dense]
+    comp.absorb_residual(dense)
+    assert comp.residual_clear
+    added = sum((d - b).abs().sum() for d, b in zip(dense, before))
+    assert torch.isclose(added, sum(r.abs().sum() for r in residual.values()), rtol=1e-5)
+    again = [d.clone() for d in dense]
+    comp.absorb_residual(dense)
+    assert all(torch.equal(a, d) for a, d in zip(again, dense))
