@@ -12,8 +12,8 @@ round trip the step does on the residual — ``M = G + E`` formed, ``E = M − A
 the model's largest matrices, in both dtypes, and keeps bf16 where it costs at most
 :data:`BF16_MAX_COST` of fp32's for the device's kind: on a GPU, whose memory the state
 competes for, up to 2× (the H200's bf16 step cost 2.4 ms more of a 3.4 s iteration at
-12.1B, issue 50; a GPU without native bf16 falls beyond); elsewhere only within the
-timing's noise.
+12.1B, issue 50; a GPU without native bf16 falls beyond). On the host the measurements
+above decide once: fp32, not timed per run.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup
 
 #: bf16's error-feedback round trip may cost this much of fp32's, per device kind, and
-#: still be chosen: a GPU's memory is worth some time; elsewhere a margin for timing
-#: noise, well below the 1.3× and more measured on CPUs.
-BF16_MAX_COST = {"cuda": 2.0, "cpu": 1.15}
+#: still be chosen: a GPU's memory is worth some time; a host's is not (its bf16 costs
+#: 1.3–1.8× there, and a timing under load could flip a run's choice): fp32, untimed.
+BF16_MAX_COST = {"cuda": 2.0, "cpu": 1.0}
 #: Elements of the timed matrices (the largest shape's, as many as fit; one at least).
 SAMPLE_ELEMENTS = 1 << 22
 _RANK = 4            # the product's factors; their matmul is not what is compared
@@ -83,11 +83,13 @@ def time_ef_dtypes(shapes: Sequence[tuple], grad_dtype: torch.dtype,
 def choose_ef_dtype(shapes: Sequence[tuple], grad_dtype: torch.dtype, device: torch.device,
                     agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> tuple:
     """``(dtype, ms fp32, ms bf16)``: bf16 where its round trip costs at most
-    :data:`BF16_MAX_COST` of fp32's on this kind of device, else fp32. ``agree(times)`` makes every rank decide
-    alike (the runtime takes the MAX over the job); no matrices: fp32, nothing timed."""
-    if not shapes:
+    :data:`BF16_MAX_COST` of fp32's on this kind of device, else fp32. ``agree(times)``
+    makes every rank decide alike (the runtime takes the MAX over the job). Where that
+    limit is 1 or less (the host: bf16 halves nothing it lacks), fp32 untimed, so every run
+    there decides alike whatever the load; no matrices: fp32, nothing timed."""
+    limit = BF16_MAX_COST.get(torch.device(device).type, BF16_MAX_COST["cpu"])
+    if not shapes or limit <= 1.0:
         return torch.float32, 0.0, 0.0
     fp32_ms, bf16_ms = agree(time_ef_dtypes(shapes, grad_dtype, device)).tolist()
-    limit = BF16_MAX_COST.get(torch.device(device).type, BF16_MAX_COST["cpu"])
     chosen = torch.bfloat16 if bf16_ms <= limit * fp32_ms else torch.float32
     return chosen, fp32_ms, bf16_ms

@@ -69,8 +69,8 @@ class EdgcConfig:
                                  "val-loss difference was inside the seed spread, "
                                  "BENCHMARKS.md issue 33); auto: bf16 where the device's "
                                  "bf16 error-feedback kernels cost at most 2x fp32's on a "
-                                 "GPU (its memory is worth it) and 1.15x elsewhere, timed "
-                                 "at start-up (CPUs measured 1.3-1.8x: fp32); "
+                                 "GPU (its memory is worth it), timed at start-up; on the "
+                                 "host fp32 (CPUs measured 1.3-1.8x); "
                                  "checkpointed with it",
                          choices=("auto", "fp32", "bf16"),
                          group="method")

@@ -147,6 +147,8 @@ class EdgcRuntime:
 
         dtype, fp32_ms, bf16_ms = choose_ef_dtype(shapes, grad_dtype, device, agree)
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        if not fp32_ms:
+            return dtype, f"{name} (auto: on the host)"
         return dtype, (f"{name} (auto: bf16's round trip {bf16_ms:.2f} ms against fp32's "
                        f"{fp32_ms:.2f})")
 
