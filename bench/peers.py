@@ -300,7 +300,7 @@ def old_target_loss(data: dict):
 
 
 def times_to_target(data: dict, rate: str, target) -> dict:
-    """``{mode: [seconds per (seed, repetition)]}`` on ``rate`` to ``target`` (None where a
+    """``{mode: {(seed, repetition): seconds}}`` on ``rate`` to ``target`` (None where a
     run never reaches it)."""
     loss, timing = data["loss"], data["time"].get(rate, {})
     dense = timing.get("dense fp32")
@@ -308,13 +308,14 @@ def times_to_target(data: dict, rate: str, target) -> dict:
     for mode, seeds in loss.items():
         if mode not in timing or dense is None or target is None:
             continue
-        vals = []
+        vals = {}
         for seed, records in sorted(seeds.items()):
-            for rep, (fig, dfig) in enumerate(zip(timing[mode], dense)):
+            for rep, fig in enumerate(timing[mode]):
                 # the warm-up at the mode's own measured warm-up (its dense wire), else
                 # (runs recorded before it was kept) at dense fp32's
-                warm_ms = fig.get("warmup_ms") or dfig["iter_ms"]
-                vals.append(time_to_loss(priced(records, fig["iter_ms"], warm_ms), target))
+                warm_ms = fig.get("warmup_ms") or dense[min(rep, len(dense) - 1)]["iter_ms"]
+                vals[(seed, rep)] = time_to_loss(priced(records, fig["iter_ms"], warm_ms),
+                                                 target)
         out[mode] = vals
     return out
 
@@ -353,11 +354,13 @@ def ratio_verdict(ratios: list) -> str:
 
 
 def paired(ttt: dict, mode: str, other: str):
-    """Paired ratios of ``mode`` to ``other`` (None unless both reached on every pair)."""
-    a, b = ttt.get(mode), ttt.get(other)
-    if not a or not b or None in a or None in b:
+    """Ratios of ``mode`` to ``other`` on the (seed, repetition) pairs both ran (None
+    unless both reached the target on every one of them)."""
+    a, b = ttt.get(mode) or {}, ttt.get(other) or {}
+    keys = sorted(set(a) & set(b))
+    if not keys or any(a[k] is None or b[k] is None for k in keys):
         return None
-    return [x / y for x, y in zip(a, b)]
+    return [a[k] / b[k] for k in keys]
 
 
 def report(data: dict) -> tuple[str, dict]:
@@ -375,8 +378,8 @@ def report(data: dict) -> tuple[str, dict]:
         ttt_old = times_to_target(data, rate, old)
         best = {}
         for prec in ("fp32", "bf16"):
-            peers = {m: v for m, v in ttt.items() if m not in OURS and precision(m) == prec
-                     and v and None not in v}
+            peers = {m: list(v.values()) for m, v in ttt.items() if m not in OURS
+                     and precision(m) == prec and v and None not in v.values()}
             best[prec] = min(peers, key=lambda m: numpy.median(peers[m])) if peers else None
         verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
         for mode in modes(200):
@@ -398,7 +401,7 @@ def report(data: dict) -> tuple[str, dict]:
                     verdicts[rate]["vs_static"][mode] = ratios
 
             def t_cell(vals):
-                vals = vals or []
+                vals = list((vals or {}).values())
                 return spread(vals) if vals and None not in vals else \
                     f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
             lines.append(

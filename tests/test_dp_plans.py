@@ -129,6 +129,7 @@ def chunk_with_megatron_sync(calls: list):
 
     def start(force_all_reduce=False):
         calls.append(("start", force_all_reduce))
+        bucket.grad_data *= bucket.gradient_scaling_factor
         dist.all_reduce(bucket.grad_data, group=dist.group.WORLD)
 
     def finish(force_all_reduce=False):
@@ -142,10 +143,12 @@ def chunk_with_megatron_sync(calls: list):
 def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_process_group):
     """``force_all_reduce`` (core_v0.19's ``training.py`` sets it to save weight gradients)
     asks for a dense all-reduce of the whole bucket: megatron-core's own sync runs, with
-    every residual added into the gradients first (nothing is lost) and zeroed; the bytes
-    are the dense ones; the next step compresses again from the kept warm start."""
+    every residual added into the gradients first (nothing is lost; in the units of the
+    gradients megatron-core then scales) and zeroed; the bytes are the dense ones; the next
+    step compresses again from the kept warm start."""
     calls = []
     chunk = chunk_with_megatron_sync(calls)
+    chunk.bucket_groups[0].buckets[0].gradient_scaling_factor = 0.25   # 1/DP of 4
     comp = ddp.DPGradientCompression([chunk], one_process_group, rank=4,
                                      compress_single_replica=True, min_compression_rate=2.0,
                                      start_iter=0, seed=0)
@@ -166,12 +169,12 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
     bucket.grad_data.copy_(fresh)
     group.finish_grad_sync(force_all_reduce=True)
     assert calls == [("finish", True), ("start", True)]
-    expected = fresh.clone()
+    expected = fresh * 0.25
     views = plan.grads(expected)
     for g, residual in zip(groups, residuals):
         for j, i in enumerate(g.indices):
             views[i] += residual[j]
-    assert torch.equal(bucket.grad_data, expected)       # G + E, summed dense
+    assert torch.equal(bucket.grad_data, expected)       # G/4 + E, summed dense
     assert all(g.residual.abs().sum() == 0 for g in groups)
     assert all(torch.equal(g.q, q) for g, q in zip(groups, qs))
     # megatron-core's own bytes (none over a group of one), counted as dense

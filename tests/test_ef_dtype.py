@@ -12,7 +12,8 @@ SHAPES = [(256, 64), (64, 64), (256, 64)]
 
 def fixed(fp32_ms, bf16_ms):
     """An ``agree`` that replaces the measured timings (the job's MAX in the runtime)."""
-    return lambda times: torch.tensor([fp32_ms, bf16_ms], dtype=torch.float64)
+    return lambda times: torch.tensor([fp32_ms, bf16_ms, bf16_ms / fp32_ms],
+                                      dtype=torch.float64)
 
 
 @pytest.mark.parametrize("fp32_ms,bf16_ms,chosen", [
@@ -36,6 +37,15 @@ def test_the_host_keeps_fp32_untimed():
         (torch.float32, 0.0, 0.0)
 
 
+def test_a_rank_without_matrices_joins_with_zeros(monkeypatch):
+    """Every rank calls ``agree`` (a collective in the runtime), with or without matrices."""
+    monkeypatch.setitem(ef_dtype.BF16_MAX_COST, "cpu", 2.0)
+    seen = []
+    dtype, _, _ = ef_dtype.choose_ef_dtype([], torch.float32, torch.device("cpu"),
+                                           lambda t: seen.append(t.tolist()) or t)
+    assert seen == [[0.0, 0.0, 0.0]] and dtype == torch.float32
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_timings_are_of_the_largest_shape_and_both_dtypes(grad_dtype, monkeypatch):
     calls = []
@@ -44,9 +54,13 @@ def test_timings_are_of_the_largest_shape_and_both_dtypes(grad_dtype, monkeypatc
                             (dtype, g, shape, count)) or 1.0)
     times = ef_dtype.time_ef_dtypes(SHAPES, grad_dtype, torch.device("cpu"))
     count = ef_dtype.SAMPLE_ELEMENTS // (256 * 64)
-    assert times.tolist() == [1.0, 1.0]
+    assert times.tolist() == [1.0, 1.0, 1.0]
     assert calls == [(torch.float32, grad_dtype, (256, 64), count),
                      (torch.bfloat16, grad_dtype, (256, 64), count)]
+    # a matrix beyond the sample: one row block of it
+    calls.clear()
+    ef_dtype.time_ef_dtypes([(1 << 20, 64)], grad_dtype, torch.device("cpu"))
+    assert calls[0][2:] == ((ef_dtype.SAMPLE_ELEMENTS // 64, 64), 1)
 
 
 def test_round_trip_leaves_the_residual_it_measures_finite():

@@ -72,24 +72,33 @@ def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
 
 def time_ef_dtypes(shapes: Sequence[tuple], grad_dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
-    """``[ms fp32, ms bf16]`` (fp32, on the host) of the error-feedback round trip on the
-    largest of ``shapes`` (as many matrices as :data:`SAMPLE_ELEMENTS` holds)."""
+    """``[ms fp32, ms bf16, bf16 / fp32]`` (float64, on the host) of the error-feedback
+    round trip on the largest of ``shapes``: as many of them as :data:`SAMPLE_ELEMENTS`
+    holds, or a row block of one (an embedding's whole would be gigabytes); zeros
+    without shapes."""
+    if not shapes:
+        return torch.zeros(3, dtype=torch.float64)
     n, m = max(shapes, key=lambda s: s[0] * s[1])
-    count = max(1, SAMPLE_ELEMENTS // (n * m))
-    return torch.tensor([_round_trip_ms(dtype, grad_dtype, (n, m), count, device)
-                         for dtype in (torch.float32, torch.bfloat16)])
+    rows = max(1, min(n, SAMPLE_ELEMENTS // m))
+    count = max(1, SAMPLE_ELEMENTS // (rows * m))
+    fp32, bf16 = (_round_trip_ms(dtype, grad_dtype, (rows, m), count, device)
+                  for dtype in (torch.float32, torch.bfloat16))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return torch.tensor([fp32, bf16, bf16 / fp32], dtype=torch.float64)
 
 
 def choose_ef_dtype(shapes: Sequence[tuple], grad_dtype: torch.dtype, device: torch.device,
                     agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> tuple:
     """``(dtype, ms fp32, ms bf16)``: bf16 where its round trip costs at most
     :data:`BF16_MAX_COST` of fp32's on this kind of device, else fp32. ``agree(times)``
-    makes every rank decide alike (the runtime takes the MAX over the job). Where that
-    limit is 1 or less (the host: bf16 halves nothing it lacks), fp32 untimed, so every run
-    there decides alike whatever the load; no matrices: fp32, nothing timed."""
+    makes every rank decide alike: the runtime takes the MAX over the job, of each rank's
+    ratio too (a rank without matrices times nothing, but joins). Where that limit is 1 or
+    less (the host: bf16 halves nothing it lacks), fp32 untimed, so every run there
+    decides alike whatever the load."""
     limit = BF16_MAX_COST.get(torch.device(device).type, BF16_MAX_COST["cpu"])
-    if not shapes or limit <= 1.0:
+    if limit <= 1.0:
         return torch.float32, 0.0, 0.0
-    fp32_ms, bf16_ms = agree(time_ef_dtypes(shapes, grad_dtype, device)).tolist()
-    chosen = torch.bfloat16 if bf16_ms <= limit * fp32_ms else torch.float32
+    fp32_ms, bf16_ms, ratio = agree(time_ef_dtypes(shapes, grad_dtype, device)).tolist()
+    chosen = torch.bfloat16 if fp32_ms and ratio <= limit else torch.float32
     return chosen, fp32_ms, bf16_ms

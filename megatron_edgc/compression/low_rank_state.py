@@ -256,13 +256,19 @@ class LowRankState:
             entry[1] = entry[1] + cols
             entry[2] = entry[2] + good.long()
 
-    def absorb_residual(self, grads: Sequence[torch.Tensor]) -> None:
+    def absorb_residual(self, grads: Sequence[torch.Tensor], scale: float = 1.0) -> None:
         """Before a dense sync of this bucket: add every residual (and pending flush) into
         its gradient and zero it — the dense message carries the whole error, nothing is
-        lost. The warm-start Q is kept for the next compressed step."""
+        lost. The warm-start Q is kept for the next compressed step. ``scale``: the
+        residuals' factor into the gradients' units (theirs are the scaled gradients'; a
+        sync that scales after this passes the inverse)."""
         assert len(grads) == len(self.entries)
         if self.residual_clear and not self._pending_flush:
             return
+        if scale != 1.0:
+            for t in [g.residual for g in self.groups.values() if g.residual is not None] \
+                    + list(self._pending_flush.values()):
+                t.mul_(scale)
         for g in self.groups.values():
             if g.residual is None:
                 continue

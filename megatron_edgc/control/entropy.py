@@ -109,7 +109,12 @@ class GradientSampler:
             gen = torch.Generator(device=device).manual_seed(
                 (self.seed * 1_000_003 + window) & ((1 << 63) - 1))
             offset = torch.randint(self.numel, (count,), device=device, generator=gen)
-            self._indices = (torch.arange(count, device=device) * self.numel + offset) // count
+            if count * self.numel < 1 << 62:
+                self._indices = (torch.arange(count, device=device) * self.numel
+                                 + offset) // count
+            else:   # i·numel would pass int64: the same strata in float64
+                self._indices = ((torch.arange(count, device=device, dtype=torch.float64)
+                                  + offset / self.numel) * (self.numel / count)).long()
             self._window = window
         return self._indices
 

@@ -358,8 +358,10 @@ class DPGradientCompression:
                     owner.entropy_probe(plan.key, plan.bucket.grad_data)
             if owner._megatron_syncs(plans, force_all_reduce):
                 if owner.active and force_all_reduce:
-                    for plan in plans:   # the dense message carries the whole error
-                        plan.compressor.absorb_residual(plan.grads())
+                    for plan in plans:   # the dense message carries the whole error,
+                        # in the unscaled units megatron-core's sync scales next
+                        plan.compressor.absorb_residual(
+                            plan.grads(), scale=1.0 / owner._scaling(self, plan))
                 owner._count_dense(self, plans[0].reduction)
                 return original(original_start, force_all_reduce)
             assert self.grad_reduce_handle is None, \
@@ -405,15 +407,20 @@ class DPGradientCompression:
         self.stats.add_bytes(total - slow, total - slow, reduction.expert)
         self.stats.add_bytes(slow, slow, reduction.expert, slow_hop=True)
 
+    @staticmethod
+    def _scaling(group, plan) -> float:
+        """The factor megatron-core's sync applies to the bucket: its gradient scaling, and
+        with ``average_in_collective`` the AVG over the group (and over the instance first,
+        with the partial distributed optimizer), which this patch's SUM applies here."""
+        extra = 1.0 / (plan.reduction.size * plan.reduction.intra_size) \
+            if group.ddp_config.average_in_collective else 1.0
+        return plan.bucket.gradient_scaling_factor * extra
+
     def _start(self, group) -> None:
         stats = self.stats
         stats.compressed |= self.active   # else the warm-up's dense sync on a narrow wire
         plans = self._group_plans[id(group)]
         reduction = plans[0].reduction
-        # average_in_collective: megatron-core reduces with AVG over the group (and over
-        # the instance first, with the partial distributed optimizer)
-        scale_extra = 1.0 / (reduction.size * reduction.intra_size) \
-            if group.ddp_config.average_in_collective else 1.0
         stream = instances_stream(group, reduction)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -422,7 +429,7 @@ class DPGradientCompression:
             for plan in plans:
                 # megatron-core's own part of the sync: not counted as compression time
                 copy_extra_main_grads(plan.bucket, into_buffer=True)
-                factor = plan.bucket.gradient_scaling_factor * scale_extra
+                factor = self._scaling(group, plan)
                 bypassed = self.active and plan.key in self.dense_keys
                 dense = bypassed or not self.active
                 in_cast = plan.scales_in_cast(dense)
