@@ -264,9 +264,13 @@ def factor_events(log: str) -> dict:
     factors = [ln for ln in lines if NONFINITE_FACTORS in ln]
     first = [int(m.group(1)) for ln in stood_in + factors
              for m in [re.search(r"iteration (\d+):", ln)] if m]
+    residual = next((m.group(1) for ln in lines
+                     for m in [re.search(r"gradients, (.+?) residual", ln)] if m), None)
     return {"stood_in": len(stood_in), "nonfinite_factors": len(factors),
             "fallback_dense": [ln.strip() for ln in lines if "sent dense (an all-reduce" in ln],
-            "first_failure": min(first) if first else None}
+            "first_failure": min(first) if first else None,
+            # --edgc-ef-dtype auto's choice and its timings (issue 57)
+            "residual": residual}
 
 
 def nonfinite(records: list, keys=("loss", "grad_norm")) -> list:
@@ -551,6 +555,9 @@ class Checklist:
             self.off_ms[key] = ms
         off = None if mode == "off" else self.off_ms.get(key)
         compress = [r["dp_compress_ms"] for r in recs if "dp_compress_ms" in r]
+        # GDS's window draw on the device since issue 57 (3.3 s on the host before)
+        entropy = [r["entropy_ms"] for r in full["records"] if r.get("entropy_ms")]
+        d["entropy_ms_max"] = max(entropy) if entropy else None
         d.update(size=size.note, grad_buffers="bf16" if bf16_grads else "fp32",
                  ms_per_iter_median=ms, ms_from_iteration=E2E_WARMUP_ITERS + 1,
                  off_ms_per_iter_median=off, vs_off=ms / off if ms and off else None,
@@ -568,7 +575,10 @@ class Checklist:
         d["summary"] = (f"[{'reduced' if not self.cuda else 'full'} size, "
                         f"{d['grad_buffers']} grads] {timing}; "
                         f"{d['stood_in']} stand-in bases ({d['factors_stood_in']} matrices), "
-                        f"{d['nonfinite_factors']} non-finite factors; " + d["summary"])
+                        f"{d['nonfinite_factors']} non-finite factors"
+                        + (f"; residual {d['residual']}" if d.get("residual") else "")
+                        + (f"; GDS at most {d['entropy_ms_max']:.1f} ms"
+                           if d.get("entropy_ms_max") else "") + "; " + d["summary"])
         if not failed:
             return 0.0
         d["summary"] = (f"FACTORIZATIONS FAILED from iteration {d['first_failure']}"

@@ -364,7 +364,13 @@ def test_the_event_texts_the_checks_count_are_the_dp_sync_s(tmp_path):
     stats.resolve()
     log = "\n".join(f"iteration {i}: {e}" for i, e in enumerate(stats.events, start=7))
     assert gpu_check.factor_events(log) == {"stood_in": 1, "nonfinite_factors": 1,
-                                            "fallback_dense": [], "first_failure": 7}
+                                            "fallback_dense": [], "first_failure": 7,
+                                            "residual": None}
+    # the residual --edgc-ef-dtype auto chose, from the runtime's start-up line
+    start = ("EDGC: error-feedback state 7.5 MiB per rank at rank 32 (bf16 gradients, bf16 "
+             "(auto: bf16's round trip 1.20 ms against fp32's 1.00) residual, bf16 factors)")
+    assert gpu_check.factor_events(start + "\n" + log)["residual"] == \
+        "bf16 (auto: bf16's round trip 1.20 ms against fp32's 1.00)"
 
 
 def test_a_failed_factorization_in_training_shows_where_the_checks_look(small_model_argv,
