@@ -39,6 +39,9 @@ class ActivationGradSender:
         self.q: Optional[torch.Tensor] = None         # [m, r]
         self.residual: Optional[torch.Tensor] = None  # [n, m], fp32
         self._ef = ErrorFeedback(torch.float32, LowRankState.workspace_bytes)
+        #: the loss scale of this iteration's messages (fp16's scaler, float ``[1]`` on the
+        #: device; None without one): the residual is kept in the units it was formed at
+        self.loss_scale: Optional[torch.Tensor] = None
 
     def _seeded(self, tag: str, rows: int, cols: int) -> torch.Tensor:
         return seeded_gaussian(self.seed, self.name, tag, rows, cols).unsqueeze(0)
@@ -80,21 +83,25 @@ class ActivationGradSender:
         g = ShapeGroup(n, m_dim, [0], [self.name], q=self.q.unsqueeze(0),
                        residual=self.residual.unsqueeze(0))
         views = self._ef.views(g, [mat])
+        self._ef.begin(self.loss_scale)
         self._ef.form(g, views)
         p = self._ef.project(g, views, g.q, transposed=False)
         bad = torch.isfinite(p).all().logical_not().view(1)
         p_hat = orthonormalize(p)
         q = self._ef.project(g, views, p_hat, transposed=True)
         self._ef.finish(g, views, bad, (p_hat, q), None)   # E = M - P^ Qᵀ where finite
+        self._ef.commit(bad)
         self.q = torch.where(bad, self.q, q[0])
         nan = float("nan")
         return p_hat[0].masked_fill(bad, nan), q[0].masked_fill(bad, nan)
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank, "q": self.q, "residual": self.residual}
+        return {"rank": self.rank, "q": self.q, "residual": self.residual,
+                "residual_units": self._ef.units}
 
     def load_state_dict(self, state: dict) -> None:
         self.rank, self.q, self.residual = state["rank"], state["q"], state["residual"]
+        self._ef.units = state.get("residual_units")
 
 
 def decompress(p_hat: torch.Tensor, q: torch.Tensor, shape, dtype) -> torch.Tensor:

@@ -216,6 +216,43 @@ class ErrorFeedback:
     def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):
         self.ef_dtype = ef_dtype
         self.workspace_bytes = workspace_bytes
+        #: float ``[1]`` on the device: the loss scale the residuals are expressed in
+        #: (None: no loss scaler, or none seen yet — the residuals are then zero)
+        self.units: Optional[torch.Tensor] = None
+        #: this step's loss scale (None: no loss scaler) and ``scale / units``, the factor
+        #: every read of ``E`` applies (None: 1, the residual read as it is)
+        self.scale: Optional[torch.Tensor] = None
+        self.ratio: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ loss-scale units
+
+    def begin(self, loss_scale: Optional[torch.Tensor]) -> None:
+        """A step at ``loss_scale`` (float ``[1]`` on the device, the loss scaler's; None
+        without one) begins: ``E``, kept in the units of the scale it was formed at, is
+        read as ``E · scale / units`` (docs/method.md, "Error feedback under a loss
+        scale"). A device division, no host read; where the scale has not changed the
+        ratio is exactly 1 and ``G + 1·E`` is ``G + E`` bit for bit."""
+        self.scale = loss_scale
+        self.ratio = None if loss_scale is None or self.units is None \
+            else loss_scale / self.units
+
+    def commit(self, bad: Optional[torch.Tensor]) -> None:
+        """The step's residuals are taken (in this step's units) where ``bad`` is not set:
+        their units become this step's scale; where set they kept theirs."""
+        if self.scale is None:
+            return
+        self.units = self.scale.clone() if self.units is None or bad is None \
+            else torch.where(bad, self.units, self.scale)
+        self.ratio = None
+
+    def add_residual(self, out: torch.Tensor, residual: torch.Tensor,
+                     alpha: float = 1.0) -> None:
+        """``out += alpha · E`` in this step's units (:meth:`begin`): one pass, no
+        temporary (``addcmul`` with the device ratio)."""
+        if self.ratio is None:
+            out.add_(residual, alpha=alpha)
+        else:
+            out.addcmul_(residual, self.ratio if alpha == 1.0 else self.ratio * alpha)
 
     @staticmethod
     def views(g: ShapeGroup, grads: Sequence[torch.Tensor]) -> list:
@@ -249,14 +286,14 @@ class ErrorFeedback:
         per = max(1, self.workspace_bytes // (temporaries * g.n * g.m * 4))
         return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
 
-    def form(self, g: ShapeGroup, views: list) -> None:
-        """``G += E`` in the fp32 runs; runs in another dtype keep ``G``."""
+    def form(self, g: ShapeGroup, views: list, alpha: float = 1.0) -> None:
+        """``G += alpha · E`` in the fp32 runs; runs in another dtype keep ``G``."""
         for lo, hi, view in views:
             if view.dtype == torch.float32:
                 for a, b in self.slices(lo, hi, g, self.temporaries(view.device)):
-                    view[a - lo:b - lo].add_(g.residual[a:b])
+                    self.add_residual(view[a - lo:b - lo], g.residual[a:b], alpha)
 
-    def blocks(self, g: ShapeGroup, views: list):
+    def blocks(self, g: ShapeGroup, views: list, alpha: float = 1.0):
         """``(a, b, M, target)``: ``M`` ([b - a, n, m], fp32) of matrices ``a..b``; an fp32
         run holds ``M`` itself (``target`` None), another dtype gives ``M = float(G) + E``
         per slice and ``target``, the slice that takes the result. Each phase forms it
@@ -269,7 +306,7 @@ class ErrorFeedback:
             for a, b in self.slices(lo, hi, g, 4 + self.temporaries(view.device)):
                 target = view[a - lo:b - lo]
                 m = target.float()
-                m.add_(g.residual[a:b])
+                self.add_residual(m, g.residual[a:b], alpha)
                 yield a, b, m, target
 
     def project(self, g: ShapeGroup, views: list, basis: torch.Tensor,

@@ -61,6 +61,15 @@ class LowRankState:
         #: every residual is zero (none kept since the last :meth:`absorb_residual`): a
         #: dense sync then has nothing to add, and scales and casts in one pass
         self.residual_clear = True
+        #: float ``[1]`` on the device: the loss scale of the step about to run (the loss
+        #: scaler's, fp16), set by the driver before each step; None without a scaler
+        self.loss_scale: Optional[torch.Tensor] = None
+        #: ``(group, bad, (A, B))`` of the last step's residuals ``E = M - A Bᵀ``, until
+        #: :meth:`after_step` knows whether the optimizer applied the step
+        self._sent: list = []
+        #: the last dense sync added the residuals into its message; they are zeroed once
+        #: the step is applied (:meth:`after_step`), kept where it was skipped
+        self._absorb_pending = False
         self._plan()
 
     # ------------------------------------------------------------------ planning
@@ -214,10 +223,62 @@ class LowRankState:
         """A step over ``grads``, every group's state allocated (:meth:`prepare` did it,
         unless the caller drives the compressor itself)."""
         assert len(grads) == len(self.entries)
+        self._settle()
         if any(g.q is None for g in self.groups.values()):
             self.prepare(grads[0].device if grads else self.device)
         self.residual_clear = False
+        self.ef.begin(self.loss_scale)
         return Step(grads=list(grads))
+
+    def _record_sent(self, g: ShapeGroup, bad: torch.Tensor, sent: tuple) -> None:
+        """Keep the factors a group's residual was taken against (``E = M - A Bᵀ``) until
+        :meth:`after_step`: the factors' size, not the gradients'."""
+        self._sent.append((g, bad, sent))
+
+    def _settle(self) -> None:
+        """A step begins with the last one's outcome unreported: it was applied (what a
+        caller that reports no skips has)."""
+        self._settle_absorb()
+        self._sent = []
+
+    def _settle_absorb(self) -> None:
+        if self._absorb_pending:
+            self.after_step(applied=True)
+
+    def after_step(self, applied: bool) -> None:
+        """The optimizer applied this step's gradients (``applied``), or skipped the step
+        (an fp16 overflow, a non-finite gradient norm): a skip loses nothing
+        (docs/reliability.md, "A skipped step").
+
+        * A compressed bucket's residual takes back what it sent: ``E += A Bᵀ`` per group,
+          so ``E = M = G + E_before`` (to rounding), in this step's loss-scale units; where
+          the bucket's gradients were not finite (``bad``) ``E`` kept its value from
+          before the step already (its ``G`` holds the NaN/Inf), and adds nothing.
+        * A bucket synced dense keeps the residual it added into the message
+          (:meth:`absorb_residual`): it is zeroed only when the step was applied.
+
+        The warm-start ``Q`` keeps the step's (a basis, not a gradient: nothing to lose).
+        One ``baddbmm`` per group on a skip, nothing otherwise; no host read (``bad`` is
+        selected on the device)."""
+        sent, self._sent = self._sent, []
+        if self._absorb_pending:
+            self._absorb_pending = False
+            if applied:
+                for g in self.groups.values():
+                    if g.residual is not None:
+                        g.residual.zero_()
+                self._pending_flush = {}
+                self.residual_clear = True
+        if applied:
+            return
+        for g, bad, (a, b) in sent:
+            a, b = torch.where(bad, 0.0, a), torch.where(bad, 0.0, b).transpose(1, 2)
+            if g.residual.dtype == torch.float32:
+                g.residual.baddbmm_(a, b)
+                continue
+            for lo, hi in self.ef.slices(0, len(g.indices), g, 2):
+                e = g.residual[lo:hi].float().baddbmm_(a[lo:hi], b[lo:hi])
+                g.residual[lo:hi].copy_(e)
 
     def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
         """The uncompressed gradients, flat in the dense wire dtype, a matrix's residual
@@ -228,10 +289,17 @@ class LowRankState:
             parts.append(grads[i].reshape(-1).to(self.dense_dtype))
         return parts
 
-    def _flush_into(self, i: int, grad: torch.Tensor) -> None:
+    def _flush_into(self, i: int, grad: torch.Tensor, scale: float = 1.0,
+                    keep: bool = False) -> None:
+        """A matrix's residual handed back once into its gradient, in this step's units
+        (``scale``: a further factor; ``keep``: until :meth:`after_step`)."""
         name = self.entries[i][0]
         if name in self._pending_flush:
-            grad.add_(self._pending_flush.pop(name).view_as(grad).to(grad.dtype))
+            flush = self._pending_flush[name] if keep else self._pending_flush.pop(name)
+            flush = flush.view_as(grad) * scale
+            if self.ef.ratio is not None:
+                flush = flush * self.ef.ratio
+            grad.add_(flush.to(grad.dtype))
 
     def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,
                       bad: torch.Tensor) -> None:
@@ -258,34 +326,36 @@ class LowRankState:
 
     def absorb_residual(self, grads: Sequence[torch.Tensor], scale: float = 1.0) -> None:
         """Before a dense sync of this bucket: add every residual (and pending flush) into
-        its gradient and zero it — the dense message carries the whole error, nothing is
-        lost. The warm-start Q is kept for the next compressed step. ``scale``: the
-        residuals' factor into the gradients' units (theirs are the scaled gradients'; a
-        sync that scales after this passes the inverse)."""
+        its gradient, in this step's loss-scale units — the dense message carries the
+        whole error, nothing is lost. The residuals are zeroed once the step is applied
+        (:meth:`after_step`; a skipped step keeps them). The warm-start Q is kept for the
+        next compressed step. ``scale``: the residuals' factor into the gradients' units
+        (theirs are the scaled gradients'; a sync that scales after this passes the
+        inverse)."""
         assert len(grads) == len(self.entries)
+        self._settle()
         if self.residual_clear and not self._pending_flush:
             return
-        if scale != 1.0:
-            for t in [g.residual for g in self.groups.values() if g.residual is not None] \
-                    + list(self._pending_flush.values()):
-                t.mul_(scale)
+        self.ef.begin(self.loss_scale)
         for g in self.groups.values():
             if g.residual is None:
                 continue
             views = self.ef.views(g, grads)
-            self.ef.form(g, views)
-            for _, _, m, target in self.ef.blocks(g, views):
+            self.ef.form(g, views, alpha=scale)
+            for _, _, m, target in self.ef.blocks(g, views, alpha=scale):
                 if target is not None:
                     target.copy_(m)
-            g.residual.zero_()
         for i in range(len(self.entries)):
-            self._flush_into(i, grads[i])
-        self.residual_clear = True
+            self._flush_into(i, grads[i], scale, keep=True)
+        self._absorb_pending = True   # E itself unchanged: in the units it had
 
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
+        self._settle_absorb()
         out = {"rank": self.rank, "matrices": {},
+               # the loss scale the residuals are in (fp16's scaler; None without one)
+               "residual_units": None if self.ef.units is None else float(self.ef.units),
                "shape_ranks": [[n, m, r] for (n, m), r in sorted(self.shape_ranks.items())]}
         for g in self.groups.values():
             if g.q is None:
@@ -318,6 +388,10 @@ class LowRankState:
                 mismatched += [name for name in g.names if name in mats]
                 g.q = g.residual = None
         self._pending_flush = dict(state.get("pending_flush", {}))
+        self._sent, self._absorb_pending = [], False
+        units = state.get("residual_units")
+        self.ef.units = None if units is None else \
+            torch.tensor([units], dtype=torch.float32, device=dev)
         self.spectrum = {(n, m): [torch.tensor(total, dtype=torch.float64, device=dev),
                                   cols.to(dev, torch.float64, copy=True),
                                   torch.tensor(count, dtype=torch.int64, device=dev)]

@@ -202,11 +202,13 @@ class BucketCompressor(LowRankState):
                 ((p_hat, q_sent), (p_hat, q))
             self._finish_group(key, g, step, bad, sent, result)
             g.q = torch.where(bad, g.q, q)
+        self.ef.commit(bad)
 
     def _finish_group(self, key, g: ShapeGroup, step: Step, bad, sent: tuple,
                       result: tuple) -> None:
         energy = self.ef.finish(g, step.views[key], bad, sent, result,
                                 energy=self.track_spectrum)
+        self._record_sent(g, bad, sent)
         if self.track_spectrum:
             self._add_spectrum(key, energy, step.q_local[key], bad)
         step.views[key] = None

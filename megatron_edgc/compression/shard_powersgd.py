@@ -259,10 +259,12 @@ class ShardCompressor(LowRankState):
             # is the instance's ‖M_t p^_j‖²
             energy = self.ef.finish(g, step.views[key], bad, (step.q_sent[key], p_hat),
                                     (q, p_hat), energy=self.track_spectrum)
+            self._record_sent(g, bad, (step.q_sent[key], p_hat))
             if self.track_spectrum:
                 self._add_spectrum((g.full_n, g.m), energy, step.q_local[key], bad)
             step.views[key] = None
             g.q = torch.where(bad, g.q, q)
+        self.ef.commit(bad)
         copy_dense_back(step.grads, self.dense_indices, dense)
 
 

@@ -261,6 +261,9 @@ class CompressingP2PCommunicator(_P2PBase):
         self._received: list = []  # this step's (k, expected header, received header)
         self.entropy_probe: Optional[Callable[[torch.Tensor], None]] = None
         self.senders: dict[int, ActivationGradSender] = {}
+        #: this iteration's loss scale (fp16's scaler, float ``[1]`` on the device; None
+        #: without one): each sender keeps its residual in the units it was formed at
+        self.loss_scale: Optional[torch.Tensor] = None
         self.send_count = self.recv_count = 0
         group = config.microbatch_group_size_per_vp_stage or self.pp_size
         self._group_size = group
@@ -345,7 +348,9 @@ class CompressingP2PCommunicator(_P2PBase):
 
     def _pack(self, grad: torch.Tensor, k: int) -> torch.Tensor:
         n, m = grad.numel() // grad.shape[-1], grad.shape[-1]
-        p_hat, q = self._sender(k).compress(grad.detach())
+        sender = self._sender(k)
+        sender.loss_scale = self.loss_scale
+        p_hat, q = sender.compress(grad.detach())
         r = p_hat.shape[1]
         self.stats.add_nonfinite_flag(k, torch.isfinite(p_hat).all().logical_not())
         return torch.cat([self._header(r, n, m, k, grad.device), p_hat.reshape(-1),
