@@ -118,6 +118,15 @@ def test_world_size_from_launcher(small_model_argv):
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk",
      "must be <= --num-experts (4), got 5", None),
     (["--no-bf16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16", "needs --bf16", None),
+    (["--fp16", "--bf16"], "--fp16", "and --bf16 exclude each other", None),
+    (["--fp16", "--loss-scale", "0"], "--loss-scale", "must be in (0.0, inf]", None),
+    (["--fp16", "--initial-loss-scale", "0.5"], "--initial-loss-scale", "must be in [1.0, inf]", None),
+    (["--fp16", "--initial-loss-scale", "1024", "--min-loss-scale", "4096"],
+     "--min-loss-scale", "must be <= --initial-loss-scale (1024), got 4096", None),
+    (["--fp16", "--loss-scale-window", "0"], "--loss-scale-window", "must be in [1, inf]", None),
+    (["--fp16", "--hysteresis", "0"], "--hysteresis", "must be in [1, inf]", None),
+    (["--accumulate-allreduce-grads-in-fp32"], "--accumulate-allreduce-grads-in-fp32",
+     "applies to --fp16", None),
 ])
 def test_bad_values_name_the_flag(small_model_argv, extra, flag, fragment, world):
     expect_error(small_model_argv + extra, flag, fragment, world)

@@ -13,14 +13,16 @@ from distributed import run_job
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name,world,billions", [
-    ("gpt2-2.5b-v100x32.yaml", 32, 2.5),
-    ("gpt2-12.1b-h100x64.yaml", 64, 12.1),
+@pytest.mark.parametrize("name,world,billions,precision", [
+    ("gpt2-2.5b-v100x32.yaml", 32, 2.5, "fp16"),   # a V100 has no bf16
+    ("gpt2-12.1b-h100x64.yaml", 64, 12.1, "bf16"),
 ])
-def test_paper_config(name, world, billions, corpus_data):
+def test_paper_config(name, world, billions, precision, corpus_data):
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", name),
                         "--data-path", corpus_data["prefix"]], world_size=world)
     assert cfg.parallel.world_size == world
+    if precision == "fp16":   # the precision its users train in, with the dynamic scaler
+        assert cfg.precision == "fp16" and cfg.training.loss_scale is None
     e = cfg.edgc
     assert (e.mode, e.pp_compression, e.dac, e.window, e.rank_min) == ("edgc", "edgc", "on", 1000, 16)
     vocab = padded_vocab_size(50257, cfg.model.make_vocab_size_divisible_by,

@@ -36,11 +36,18 @@ class RunConfig:
     @property
     def bf16_resolved(self) -> bool:
         """``--bf16`` as the run takes it: unset means on with CUDA, off without."""
+        if self.training.fp16:
+            return False
         if self.training.bf16 is not None:
             return self.training.bf16
         import torch
 
         return torch.cuda.is_available()
+
+    @property
+    def precision(self) -> str:
+        """The run's mixed precision: ``fp16`` (with a loss scaler), ``bf16`` or ``fp32``."""
+        return "fp16" if self.training.fp16 else "bf16" if self.bf16_resolved else "fp32"
 
     @property
     def num_microbatches(self) -> int:

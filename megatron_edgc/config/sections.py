@@ -132,8 +132,36 @@ class TrainingConfig:
         False, "keep and reduce the gradients in bf16, as Megatron-LM's --grad-reduce-in-bf16 "
                "(megatron-core grad_reduce_in_fp32=False): half the dense bytes; needs --bf16. "
                "EDGC compresses the bf16 buffers with fp32 math")
+    fp16: bool = knob(False, "fp16 mixed precision with megatron-core's loss scaler, as "
+                             "Megatron-LM's --fp16 (the V100's precision: no bf16 there); "
+                             "excludes --bf16. The gradients are reduced in fp16 unless "
+                             "--accumulate-allreduce-grads-in-fp32")
+    loss_scale: Optional[float] = knob(
+        None, "fp16: a static loss scale (unset: the dynamic scaler below)", min=0.0,
+        min_exclusive=True)
+    initial_loss_scale: float = knob(2.0 ** 32, "fp16: the dynamic scaler's first scale",
+                                     min=1.0)
+    min_loss_scale: float = knob(1.0, "fp16: the dynamic scaler's floor", min=0.0,
+                                 min_exclusive=True)
+    loss_scale_window: int = knob(1000, "fp16: iterations without an overflow before the "
+                                        "dynamic scale doubles", min=1)
+    hysteresis: int = knob(2, "fp16: overflows the dynamic scaler tolerates before it halves",
+                           min=1)
+    accumulate_allreduce_grads_in_fp32: bool = knob(
+        False, "fp16: keep and reduce the gradients in fp32 (megatron-core "
+               "grad_reduce_in_fp32), as Megatron-LM's flag of that name")
 
     def resolve(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16", "and --bf16 exclude each other: one mixed precision")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError("--min-loss-scale", f"must be <= --initial-loss-scale "
+                                                  f"({self.initial_loss_scale:g}), got "
+                                                  f"{self.min_loss_scale:g}")
+        if self.accumulate_allreduce_grads_in_fp32 and not self.fp16:
+            raise ConfigError("--accumulate-allreduce-grads-in-fp32",
+                              "applies to --fp16 (bf16 reduces in fp32 already, unless "
+                              "--grad-reduce-in-bf16; fp32 is fp32)")
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
         if self.min_lr > self.lr:

@@ -174,6 +174,18 @@ class DPGradientCompression:
         if self.debug_dump is not None:
             self.debug_dump.iteration = iteration
 
+    def set_loss_scale(self, scale: Optional[torch.Tensor]) -> None:
+        """The loss scale of the coming step (fp16's scaler, float ``[1]`` on the device;
+        None without one): every bucket reads its residual in that step's units."""
+        for plan in self.plans.values():
+            plan.compressor.loss_scale = scale
+
+    def after_step(self, applied: bool) -> None:
+        """After the optimizer: whether it applied the step (a skip loses nothing:
+        :meth:`~megatron_edgc.compression.low_rank_state.LowRankState.after_step`)."""
+        for plan in self.plans.values():
+            plan.compressor.after_step(applied)
+
     def prepare_iteration(self) -> None:
         """Before the schedule: the warm starts of a new rank (seeded here, never inside
         backward) and the bypass decisions for this iteration's rank (the first call per

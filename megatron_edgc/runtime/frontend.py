@@ -119,6 +119,7 @@ class IterationRecords:
         self.clock = IntervalClock(use_cuda)
         self._start = None
         self._pending: list = []   # (record, start stamp, end stamp)
+        self.skipped = 0           # steps the optimizer did not apply, so far
 
     def begin(self) -> None:
         """At the start of an iteration's work."""
@@ -131,7 +132,8 @@ class IterationRecords:
         record = {"iteration": iteration, "loss": loss, "lr": lr, "iter_ms": None,
                   "tokens": tokens, "tokens_per_s": None,
                   "grad_norm": float("nan") if grad_norm is None else grad_norm,
-                  "skipped": skipped}
+                  "skipped": skipped, "skipped_so_far": self.skipped + bool(skipped)}
+        self.skipped += bool(skipped)
         self._pending.append((record, self._start, self.clock.stamp()))
         return record
 

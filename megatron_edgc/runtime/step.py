@@ -129,6 +129,12 @@ class EdgcRuntime:
         self.row = TelemetryRow(num_stages, self.edgc.entropy_sums().numel()
                                 if self.edgc is not None else 0)
         self.tally = CompressionTally(num_stages)
+        # fp16's loss scaler: the residuals follow its scale (docs/method.md)
+        self.optimizer = optimizer
+        self.has_loss_scaler = has_loss_scaler(optimizer)
+        self._step_scale: Optional[torch.Tensor] = None
+        #: how often the loss scale changed (a device count, read at the summary)
+        self.loss_scale_changes: Optional[torch.Tensor] = None
 
     @staticmethod
     def _ef_dtype(setting: str, chunks, device: torch.device) -> tuple:
@@ -168,7 +174,12 @@ class EdgcRuntime:
         """Before the forward/backward of step ``iteration`` (0-based)."""
         self.iteration = iteration
         e = self.cfg.edgc
+        # the scale this step's gradients are in: the residuals are read in its units
+        self._step_scale = self.optimizer.get_loss_scale() if self.has_loss_scaler else None
+        if self.p2p is not None:
+            self.p2p.loss_scale = self._step_scale
         if self.dp_compression is not None:
+            self.dp_compression.set_loss_scale(self._step_scale)
             self.dp_compression.set_iteration(iteration)
         if self.edgc is not None:
             self.edgc.before_step(iteration)
@@ -203,6 +214,14 @@ class EdgcRuntime:
         controller decide the next ranks; returns ``record``, whose job-wide telemetry
         :meth:`flush` adds. Flushes at once where the controller reads this step's
         telemetry (:meth:`controller_reads`)."""
+        applied = not record.get("skipped")
+        if self.dp_compression is not None:   # a skip loses nothing (docs/reliability.md)
+            self.dp_compression.after_step(applied)
+        if self._step_scale is not None:
+            record["loss_scale"] = self._step_scale
+            changed = (self.optimizer.get_loss_scale() != self._step_scale).long().sum()
+            self.loss_scale_changes = changed if self.loss_scale_changes is None \
+                else self.loss_scale_changes + changed
         step = self._take(iteration, record)
         self._pending.append(step)
         now = self.controller_reads(iteration)
@@ -312,6 +331,8 @@ class EdgcRuntime:
                      dp_sync_ms=timing.sync_ms, grad_sync_ms=timing.grad_sync_ms,
                      dp_sync_end_wall=timing.sync_end_wall,
                      dp_fallback_share=st.fallback_buckets / st.buckets
+                     if st is not None and st.buckets else float("nan"),
+                     dp_dense_share=st.bypassed_buckets / st.buckets
                      if st is not None and st.buckets else float("nan"))
         return self.row.pack(self._counters(step), self.stage, times, step.entropy)
 
@@ -346,12 +367,15 @@ class EdgcRuntime:
                 self.log(f"iteration {it}: {event}")
         ends = [v for v in stage_times.pop("dp_sync_end_wall") if math.isfinite(v)]
         rec.update(stage_times)  # per-stage means, identical on every rank (DAC reads them)
-        if step.rank_dp is not None:   # a stage whose every bucket the fallback sent dense
+        if step.rank_dp is not None:   # a stage whose every bucket was sent dense (the
+            # fallback, or the bypass): dense, whatever rank is in force
             rec["rank_dp"] = [None if share >= 1 else r for r, share
-                              in zip(step.rank_dp, rec["dp_fallback_share"])]
+                              in zip(step.rank_dp, rec["dp_dense_share"])]
         if st is not None:
             rec["dp_factors_stood_in"] = job.dp_factors_stood_in   # the job's, this step
-        self.tally.add(step.rank_dp, rec["rank_dp"], job.dp_factors_stood_in)
+        # a skipped step applied nothing: compressed or not, it is no compressed iteration
+        self.tally.add(step.rank_dp, None if rec.get("skipped") else rec["rank_dp"],
+                       job.dp_factors_stood_in, skipped=bool(rec.get("skipped")))
         if len(ends) > 1:
             rec["dp_sync_end_spread_ms"] = (max(ends) - min(ends)) * 1e3
         if st is not None:
@@ -369,6 +393,15 @@ class EdgcRuntime:
                     self.log(f"iteration {it}: {event}")
 
 
+def has_loss_scaler(optimizer) -> bool:
+    """Whether megatron-core's ``optimizer`` scales the loss (fp16: a ``grad_scaler`` on it,
+    or on a ``ChainedOptimizer``'s first, whose scale ``get_loss_scale`` returns)."""
+    if optimizer is None:
+        return False
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return getattr(inner[0], "grad_scaler", None) is not None
+
+
 class CompressionTally:
     """How much of the job the DP sync compressed, for the end-of-run summary of both
     front-ends: per stage, the iterations with a rank in force (the controller's or the
@@ -377,12 +410,15 @@ class CompressionTally:
 
     def __init__(self, num_stages: int):
         self.iterations = 0
+        self.skipped = 0
         self.with_rank = [0] * num_stages
         self.compressed = [0] * num_stages
         self.factors_stood_in = 0
 
-    def add(self, ranks: Optional[list], compressed: Optional[list], stood_in: int) -> None:
+    def add(self, ranks: Optional[list], compressed: Optional[list], stood_in: int,
+            skipped: bool = False) -> None:
         self.iterations += 1
+        self.skipped += skipped
         self.factors_stood_in += stood_in
         for i, (r, c) in enumerate(zip(ranks or [None] * len(self.with_rank),
                                        compressed or [None] * len(self.with_rank))):
@@ -390,14 +426,17 @@ class CompressionTally:
             self.compressed[i] += c is not None
 
     def summary(self) -> dict:
-        return {"iterations": self.iterations, "dp_iterations_with_rank": self.with_rank,
+        return {"iterations": self.iterations, "skipped": self.skipped,
+                "dp_iterations_with_rank": self.with_rank,
                 "dp_iterations_compressed": self.compressed,
                 "dp_factors_stood_in": self.factors_stood_in}
 
     @staticmethod
     def line(summary: dict) -> str:
         """The summary's words, from :meth:`summary`'s dict: ``DP compressed 90/88 of 100
-        iterations per stage (90/90 with a rank in force) | 0 factorizations stood in``."""
+        iterations per stage (90/90 with a rank in force) | 0 factorizations stood in``.
+        An iteration compressed: a rank in force, some bucket of the stage compressed (not
+        every one sent dense by the bypass or the fallback), and the step applied."""
         per = "/".join(str(c) for c in summary["dp_iterations_compressed"])
         ranked = "/".join(str(c) for c in summary["dp_iterations_with_rank"])
         return (f"DP compressed {per} of {summary['iterations']} iterations per stage "

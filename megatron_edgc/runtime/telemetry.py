@@ -16,10 +16,11 @@ from typing import Optional
 
 import torch
 
-#: Per-stage columns of the telemetry row (means over each stage's ranks): its times, and
-#: the share of its DP buckets the fallback sent dense (their factors had failed).
+#: Per-stage columns of the telemetry row (means over each stage's ranks): its times, the
+#: share of its DP buckets the fallback sent dense (their factors had failed), and the
+#: share sent dense for any reason (the fallback or the bypass).
 STAGE_COLUMNS = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall",
-                 "dp_fallback_share")
+                 "dp_fallback_share", "dp_dense_share")
 
 
 @dataclasses.dataclass
@@ -202,8 +203,11 @@ def format_progress(it: int, total: int, rec: dict) -> str:
                      f"{rec['pp_bytes_sent_job'] / 2**20:.2f} MiB (saved {100 * saved:.1f}%)")
     if rec.get("dp_sync_end_spread_ms") is not None:
         parts.append(f"sync spread {rec['dp_sync_end_spread_ms']:.1f} ms")
-    if rec.get("skipped"):
-        parts.append("skipped")
+    if rec.get("loss_scale") is not None:   # fp16's dynamic loss scale
+        parts.append(f"loss scale {rec['loss_scale']:g}")
+    if rec.get("skipped_so_far"):   # steps not applied: an fp16 overflow, a non-finite norm
+        parts.append(f"skipped {rec['skipped_so_far']}" +
+                     (" (this one)" if rec.get("skipped") else ""))
     return " | ".join(parts)
 
 

@@ -72,6 +72,21 @@ def _inner_optimizers(optimizer) -> list:
     return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
+def grad_scaler_states(optimizer) -> list:
+    """fp16's loss scalers (scale, growth and hysteresis trackers), one per inner
+    optimizer; None where there is none. The distributed optimizer's shard state does not
+    carry them, and a resume across a scale change needs them with the residuals, whose
+    units they are (docs/method.md)."""
+    return [opt.grad_scaler.state_dict() if getattr(opt, "grad_scaler", None) else None
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def load_grad_scaler_states(optimizer, states) -> None:
+    for opt, state in zip(getattr(optimizer, "chained_optimizers", [optimizer]), states or []):
+        if state is not None and getattr(opt, "grad_scaler", None):
+            opt.grad_scaler.load_state_dict(state)
+
+
 def distributed_optimizer_shard_state(optimizer) -> list:
     """This DP rank's shard: the torch optimizer state and its fp32 main parameters.
 
@@ -219,6 +234,7 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
                         "optimizer": None if distributed_optimizer
                         else bundle.optimizer.state_dict(),
                         "scheduler": bundle.scheduler.state_dict(),
+                        "grad_scalers": grad_scaler_states(bundle.optimizer),
                         "layout": layout_of(cfg),
                         "config": cfg.to_dict()}, model_file)
         torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
@@ -302,6 +318,7 @@ def load_checkpoint(root: str, bundle, cfg) -> int:
                                                rank_state["distributed_optimizer"])
     else:
         bundle.optimizer.load_state_dict(state["optimizer"])
+    load_grad_scaler_states(bundle.optimizer, state.get("grad_scalers"))
     bundle.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(rank_state["rng"])
     reset = restore_rank_state(rank_state["extensions"], dp_changed)

@@ -325,6 +325,9 @@ class Trainer:
         summary = summarize(history, val_loss, time.perf_counter() - start_time, cfg)
         if self.runtime.dp_compression is not None:
             summary["compression"] = self.runtime.tally.summary()
+        if self.runtime.loss_scale_changes is not None:   # fp16's dynamic loss scale
+            summary["loss_scale_changes"] = int(self.runtime.loss_scale_changes)
+            summary["final_loss_scale"] = float(self.bundle.optimizer.get_loss_scale())
         if self.is_logger:
             print(format_summary(summary), flush=True)
             if lg.metrics_file:
@@ -390,6 +393,8 @@ def format_summary(s: dict) -> str:
     return ("summary | " + " | ".join([
         f"{s['layout']}", f"{s['iterations']} iterations",
         f"{s.get('skipped_iterations', 0)} skipped",
+        *([f"{s['loss_scale_changes']} loss-scale changes (now {s['final_loss_scale']:g})"]
+          if "loss_scale_changes" in s else []),
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['final_loss'], '.4f')}",
         f"val loss {f(s['val_loss'], '.4f')}", f"val ppl {f(s['val_ppl'], '.2f')}",
         *last_word,

@@ -74,10 +74,10 @@ def fusions(on_gpu: bool) -> dict:
     )
 
 
-def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
+def transformer_config(cfg, bf16: bool, on_gpu: bool, fp16: bool = False) -> TransformerConfig:
     m, p = cfg.model, cfg.parallel
     vp = p.virtual_pipeline_model_parallel_size
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     moe = {}
     if m.num_experts is not None:  # Mixtral-style: top-k router, load-balancing loss
         moe = dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
@@ -102,6 +102,7 @@ def transformer_config(cfg, bf16: bool, on_gpu: bool) -> TransformerConfig:
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=bf16,
+        fp16=fp16,
         use_cpu_initialization=not on_gpu,
         sequence_parallel=False,
         **fusions(on_gpu),
@@ -127,7 +128,11 @@ class ModelBundle:
 
 
 def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: bool) -> ModelBundle:
-    tconf = transformer_config(cfg, bf16, on_gpu)
+    """The model chunks in DDP and megatron-core's optimizer; with ``--fp16`` (which
+    excludes ``bf16``) its fp16 optimizer and loss scaler, dynamic unless ``--loss-scale``."""
+    t = cfg.training
+    fp16 = t.fp16
+    tconf = transformer_config(cfg, bf16, on_gpu, fp16=fp16)
     vp = cfg.parallel.virtual_pipeline_model_parallel_size
     spec = layer_spec(cfg.model.num_experts)
     chunks = []
@@ -148,14 +153,15 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
         )
         if on_gpu:
             model.cuda(torch.cuda.current_device())
-        if bf16:
-            # As Megatron-LM's get_model: every parameter in bf16 (the local spec's
+        if bf16 or fp16:
+            # As Megatron-LM's get_model: every parameter in bf16/fp16 (the local spec's
             # torch LayerNorm included), first-stage inputs cast in, losses cast out.
             model = Float16Module(tconf, model)
         chunks.append(model)
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bf16 and not cfg.training.grad_reduce_in_bf16,
+        grad_reduce_in_fp32=(bf16 and not t.grad_reduce_in_bf16) or
+        (fp16 and t.accumulate_allreduce_grads_in_fp32),
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=cfg.parallel.bucket_size,
@@ -165,11 +171,13 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
                                       disable_bucketing=i > 0)
               for i, chunk in enumerate(chunks)]
 
-    t = cfg.training
     opt_config = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        clip_grad=t.clip_grad, bf16=bf16, fp16=fp16, params_dtype=tconf.params_dtype,
+        loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
