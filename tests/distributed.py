@@ -27,14 +27,14 @@ LAYOUTS = {
 }
 
 
-def run_job(argv, out_dir, timeout=600):
+def run_job(argv, out_dir, timeout=600, env=None):
     """Train with ``argv`` on TP x PP x DP local processes; return per-rank results.
 
     Each rank's parallel coordinates, final parameters and summary come back as a dict;
     the logging rank writes the metrics file named in ``argv``.
     """
     proc = subprocess.run([sys.executable, os.path.join(HERE, "job_runner.py"), out_dir, *argv],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(os.path.join(out_dir, "stdout.txt"), "w") as fh:   # the job's own lines
         fh.write(proc.stdout)

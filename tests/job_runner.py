@@ -11,6 +11,12 @@
 ``--fail-factorizations-at I,J,...``: every Cholesky factorization of iterations I, J
 (0-based) on every rank fails as cuSOLVER's do, with a NaN factor (a test of the
 orthonormalization's stand-in basis and the dense fallback).
+``--inject-overflow-at ITER``: an Inf (an fp16 overflow) in DP rank 1's first gradient of
+the first bucket group's first bucket of iteration ITER (0-based), written before the DP
+sync; every rank captures, per compressed bucket and shape group, the step's ``M = G + E``
+(in the step's units), ``E`` and ``Q`` before the step, ``E`` as the sync left it, and
+``E`` and ``Q`` after the optimizer's outcome (``overflow_capture``: a test of the skip
+rule, docs/reliability.md).
 ``--count-host-syncs`` counts the host syncs (``tests/host_sync.py``) of the patched DP
 bucket-group sync and of the compressed pipeline sends and receives, per iteration, into
 each rank's result (``host_syncs``: ``(iteration, site, call, source line)``).
@@ -41,6 +47,9 @@ def main() -> int:
     fail_at = ()
     if argv[:1] == ["--fail-factorizations-at"]:
         fail_at, argv = {int(i) for i in argv[1].split(",")}, argv[2:]
+    overflow_at = None
+    if argv[:1] == ["--inject-overflow-at"]:
+        overflow_at, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--count-host-syncs"]:
         count_syncs, argv = True, argv[1:]
     from megatron.core import parallel_state
@@ -51,6 +60,8 @@ def main() -> int:
 
     cfg = parse_config(argv)
     os.makedirs(out_dir, exist_ok=True)
+    if os.environ.get("EDGC_TEST_STALE_UNITS"):
+        stale_residual_units()
 
     def target(rank, world, local):
         init_worker(cfg, rank, world, local)
@@ -70,6 +81,7 @@ def main() -> int:
             if fail_at:
                 fail_factorizations(trainer, fail_at)
             syncs = count_host_syncs(trainer) if count_syncs else []
+            capture = inject_overflow(trainer, overflow_at) if overflow_at is not None else []
             summary = trainer.run()
             params = {f"{i}.{name}": p.detach().clone()
                       for i, chunk in enumerate(trainer.bundle.chunks)
@@ -79,6 +91,7 @@ def main() -> int:
                         "dp": parallel_state.get_data_parallel_rank(),
                         "ep": parallel_state.get_expert_model_parallel_rank(),
                         "params": params, "summary": summary, "host_syncs": syncs,
+                        "overflow_capture": capture,
                         "n_buckets": sum(len(g.buckets) for c in trainer.bundle.chunks
                                          for g in c.bucket_groups),
                         "bucket_shapes": [[tuple(p.shape) for p in b.params_list]
@@ -134,6 +147,66 @@ def poison_grad_before_finalize(trainer, at: int) -> None:
         return finalize(*args, **kwargs)
 
     config.finalize_model_grads_func = poisoned
+
+
+def stale_residual_units() -> None:
+    """``EDGC_TEST_STALE_UNITS=1``: the residuals read in the units they were formed at,
+    whatever the loss scale since (the code before issue 63), for a test to show its
+    assertion fails there."""
+    from megatron_edgc.compression.kernels import ErrorFeedback
+
+    original = ErrorFeedback.begin
+    ErrorFeedback.begin = lambda self, loss_scale: original(self, None)
+
+
+def inject_overflow(trainer, at: int) -> list:
+    """``--inject-overflow-at``: the Inf and the captures (module docstring); returns the
+    list of ``{"key", "shape", "bucket_finite", "M", "E_before", "Q_before", "E_synced", "E_after",
+    "Q_after"}`` the captures go to (fp32 CPU tensors, ``[k, n, m]`` / ``[k, m, r]``)."""
+    from megatron.core import parallel_state
+
+    from megatron_edgc.patches import ddp
+
+    dp = trainer.dp_compression
+    captures: list = []
+    by_plan: dict = {}
+    original_start, original_after = dp._start, dp.after_step
+
+    def start(group):
+        if dp.iteration == at:
+            if group is dp.bucket_groups[0] and parallel_state.get_data_parallel_rank() == 1:
+                group.buckets[0].params_list[0].main_grad.view(-1)[0] = float("inf")
+            for plan in dp._group_plans[id(group)]:
+                comp = plan.compressor
+                scaled = plan.bucket.grad_data.float() * ddp.DPGradientCompression._scaling(
+                    group, plan)
+                grads = plan.grads(scaled)
+                units = comp.ef.units
+                ratio = 1.0 if units is None or comp.loss_scale is None \
+                    else float(comp.loss_scale / units)
+                for shape, g in comp.groups.items():
+                    entry = {"key": plan.key, "shape": shape,
+                             "bucket_finite": bool(torch.isfinite(scaled).all()),
+                             "M": torch.stack([grads[i] for i in g.indices])
+                             + g.residual.float() * ratio,
+                             "E_before": g.residual.float().clone(), "Q_before": g.q.clone()}
+                    by_plan.setdefault(plan.key, []).append((g, entry))
+                    captures.append(entry)
+        return original_start(group)
+
+    def after_step(applied):
+        if dp.iteration == at:   # the sync left E here (what the code before issue 63 kept)
+            for entries in by_plan.values():
+                for g, entry in entries:
+                    entry["E_synced"] = g.residual.float().clone()
+        original_after(applied)
+        if dp.iteration == at:
+            for entries in by_plan.values():
+                for g, entry in entries:
+                    entry["E_after"], entry["Q_after"] = g.residual.float().clone(), g.q.clone()
+
+    dp._start, dp.after_step = start, after_step
+    return captures
 
 
 def fail_factorizations(trainer, iterations) -> None:

@@ -50,8 +50,16 @@ def pretrain(argv, timeout=300):
     ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4",
      "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
      "--edgc-mode", "static", "--edgc-rank", "4", "--bf16", "--grad-reduce-in-bf16"],
+    # fp16 with a dynamic loss scale that doubles at iterations 4, 7 and 10 (across the
+    # checkpoint at 5), the distributed optimizer (its shard state carries no scaler) and
+    # the pipeline's compression: the scaler, the DP and PP residuals and their units
+    # resume together
+    ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+     "--use-distributed-optimizer", "--edgc-mode", "static", "--edgc-rank", "4",
+     "--edgc-pp-compression", "static", "--edgc-pp-rank", "4", "--fp16",
+     "--initial-loss-scale", "1024", "--loss-scale-window", "3"],
 ], ids=["tp1-pp2-dp2-dropout", "distopt-overlap", "powersgd-rank4", "edgc-pp-compression",
-        "budget-controller", "moe-ep2", "instances-2-bf16-buffers"])
+        "budget-controller", "moe-ep2", "instances-2-bf16-buffers", "fp16-scale-changes"])
 def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_path):
     base = small_model_argv + variant + ["--train-iters", "10", "--eval-interval", "5"]
     full = str(tmp_path / "full.jsonl")
@@ -78,6 +86,11 @@ def test_resume_reproduces_uninterrupted_losses(variant, small_model_argv, tmp_p
         assert res_recs[it]["loss"] == full_recs[it]["loss"], it  # bit-exact
         assert res_recs[it]["lr"] == full_recs[it]["lr"]
     assert res_recs[10]["val_loss"] == full_recs[10]["val_loss"]
+    if "--fp16" in variant:   # the scale changed inside both halves, and resumed with it
+        assert len({full_recs[it]["loss_scale"] for it in range(1, 6)}) > 1
+        assert len({res_recs[it]["loss_scale"] for it in range(6, 11)}) > 1
+        assert [res_recs[it]["loss_scale"] for it in range(6, 11)] == \
+            [full_recs[it]["loss_scale"] for it in range(6, 11)]
     for it in range(6, 11):  # the controller's decisions resume too
         assert res_recs[it].get("rank_dp") == full_recs[it].get("rank_dp")
         assert res_recs[it].get("entropy") == full_recs[it].get("entropy")
