@@ -106,6 +106,37 @@ def test_a_compressed_bucket_step_makes_no_host_sync(factor_dtype, spectrum, fin
     assert torch.isfinite(grads[0]).all() == finite
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_step_under_a_changed_loss_scale_and_its_skip_make_no_host_sync(grad_dtype,
+                                                                          finite):
+    """fp16's loss scale: the residual read in the new scale's units (a device ratio), the
+    units committed, the skipped step's sent part taken back, and a dense sync's residual
+    kept through a skip and zeroed when applied: no host read of the scale or a flag."""
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    comp.loss_scale = torch.tensor([1024.0])
+    gen = torch.Generator().manual_seed(0)
+
+    def grads():
+        return [(torch.randn(*s, generator=gen) * 64).to(grad_dtype) for _, s in ENTRIES]
+
+    one_step(comp, grads())
+    comp.after_step(applied=True)
+    comp.loss_scale = torch.tensor([512.0])
+    g = grads()
+    if not finite:
+        g[0][1, 2] = float("inf")
+    with HostSyncCounter() as syncs:
+        one_step(comp, g)
+        comp.after_step(applied=False)
+        comp.absorb_residual(grads())
+        comp.after_step(applied=False)
+        comp.absorb_residual(grads())
+        comp.after_step(applied=True)
+    assert syncs.calls == []
+    assert comp.residual_clear
+
+
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spectrum", [False, True])
 @pytest.mark.parametrize("finite", [True, False])

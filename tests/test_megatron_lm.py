@@ -712,3 +712,71 @@ def test_the_fallback_resumes_in_the_plug_in(megatron_lm, tmp_path):
                                             "resumed")
     keys = ("iteration", "loss", "rank_dp", "dp_bytes_sent", "dp_fallback_share")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
+
+
+#: fp16 with Megatron-LM's dynamic loss scaler: a scale an 8-iteration job can grow from
+#: (every 3 iterations) and halve at once (hysteresis 1)
+FP16 = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3",
+        "--hysteresis", "1"]
+
+
+def run_with_overflow(megatron_lm, tmp_path, extra, name, at=3):
+    """The two-line script with a non-finite value (Inf) in DP rank 1's gradient of
+    (0-based) iteration ``at``; returns (output, EDGC records)."""
+    script = tmp_path / "pretrain_gpt_inf.py"
+    script.write_text(NAN_INJECTING_SCRIPT.format(script=megatron_lm[2])
+                      .replace('float("nan")', 'float("inf")'))
+    cmd, env, metrics = megatron_lm_command(
+        megatron_lm, str(script), extra + ["--no-check-for-nan-in-loss-and-grad"], tmp_path,
+        name)
+    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_NAN_AT": str(at)}, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out, read_records(metrics)
+
+
+def test_fp16_with_the_loss_scaler_in_the_plug_in(megatron_lm, tmp_path):
+    """Megatron-LM's own script with ``--fp16`` (its fp16 optimizer and dynamic scaler,
+    fp16 gradient buffers):
+
+    * mode off is Megatron-LM's run bit for bit;
+    * static rank 4 with an Inf in DP rank 1's gradient at iteration 4: the step is
+      skipped on every rank (Megatron's own count), the scale halves, the summary counts
+      the skip as the scaler's and calls it no compressed iteration, and the losses are
+      the fp32 job's with the same skip (the guard's there) to fp16's rounding: on this
+      8-iteration mock-data job rank 4 lags dense alike in both precisions (measured
+      0.09-0.13 at 16 iterations in fp32 and fp16; the trainer's test compares with dense
+      fp16 on the corpus);
+    * EDGC (DP and pipeline) with the bypass on, which on loopback sends every DP bucket
+      dense: it ends at dense fp16's loss, and its summary calls no iteration compressed.
+    """
+    _, plain, _ = run_megatron_lm(megatron_lm, megatron_lm[1], FP16, tmp_path, "plain")
+    _, off, _ = run_megatron_lm(megatron_lm, megatron_lm[2], FP16, tmp_path, "off")
+    assert len(plain) == 8 and off == plain, (off, plain)   # bitwise, as printed
+    static = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off"]
+    out, records = run_with_overflow(megatron_lm, tmp_path, FP16 + static, "static16")
+    skips = [int(n) for n in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
+    assert skips == [int(i == 3) for i in range(8)], (skips, out[-4000:])
+    assert [r["skipped"] for r in records] == [r["iteration"] == 4 for r in records]
+    scales = [r["loss_scale"] for r in records]
+    assert scales[4] == scales[3] / 2, scales
+    changes = sum(a != b for a, b in zip(scales, scales[1:]))
+    assert "EDGC summary | 8 iterations | 0 skipped for a non-finite gradient | 1 skipped " \
+        f"by the loss scaler | {changes} loss-scale changes" in out, out[-3000:]
+    assert "DP compressed 7/7 of 8 iterations per stage (8/8 with a rank in force)" in out
+    _, fp32 = run_with_overflow(megatron_lm, tmp_path, static, "static32")
+    assert [r["skipped"] for r in fp32] == [r["iteration"] == 4 for r in fp32]
+    gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(records, fp32))
+    assert gap < 0.02, ([r["loss"] for r in records], [r["loss"] for r in fp32])
+    # EDGC with the bypass on: every DP bucket dense on loopback, so nothing compressed
+    out, losses, records = run_megatron_lm(
+        megatron_lm, megatron_lm[2], FP16 + EDGC[:EDGC.index("--edgc-bypass")]
+        + ["--edgc-bypass", "auto", "--edgc-dac", "off", "--edgc-pp-compression", "edgc",
+           "--edgc-pp-rank-max", "16"], tmp_path, "edgc")
+    assert abs(sum(losses[-3:]) / 3 - sum(plain[-3:]) / 3) < 0.03, (losses, plain)
+    assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] and r["rank_dp"] == [None, None]
+               for r in records), [(r["rank_dp"], r["dp_bypassed_buckets"]) for r in records]
+    ranked = sum(r["dp_bypassed_buckets"] > 0 and not r["skipped"] for r in records)
+    assert ranked > 0 and f"DP compressed 0/0 of 8 iterations per stage ({ranked}/{ranked} " \
+        "with a rank in force)" in out, out[-3000:]

@@ -510,13 +510,17 @@ def _rss_mib(field):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc only")
 @pytest.mark.parametrize("ef_dtype,grad_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
-    ids=["fp32-ef", "bf16-ef", "fp32-ef-bf16-grads", "bf16-ef-bf16-grads"])
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16), (torch.bfloat16, torch.float16)],
+    ids=["fp32-ef", "bf16-ef", "fp32-ef-bf16-grads", "bf16-ef-bf16-grads",
+         "fp32-ef-fp16-grads", "bf16-ef-fp16-grads"])
 def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, grad_dtype):
     """A step's transient memory (peak resident set minus what stays between steps) is
     at most the factors and collective buffers + a workspace of max(64 MiB, 5 % of the
-    residual): no second copy of the gradients, also on bf16 gradient buffers
-    (``--grad-reduce-in-bf16``: ``M`` formed in fp32 slices, no stacked fp32 copy).
+    residual): no second copy of the gradients, also on bf16 and fp16 gradient buffers
+    (``--grad-reduce-in-bf16``, ``--fp16``: ``M`` formed in fp32 slices, no stacked fp32
+    copy); on fp16 buffers under a loss scale that changed (the residual read times
+    new/old) and through a skipped step (the sent part taken back into the residual).
     Measured with the kernel's peak-RSS reset (/proc/self/clear_refs); a residual-sized
     allocation is seen by the same probe."""
     from bench.step_phases import release_freed_heap
@@ -526,6 +530,8 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, gra
     layers = 96 if ef_dtype == torch.float32 else 160   # a residual of 288 / 240 MiB
     entries = [(f"l{i}.{name}", s) for i in range(layers) for name, s in layer]
     comp = BucketCompressor(entries, 8, seed=0, ef_dtype=ef_dtype)
+    if grad_dtype == torch.float16:
+        comp.loss_scale = torch.tensor([1024.0])
     _, grads = flat_bucket(layer, layers=layers, dtype=grad_dtype)
     for g in grads:
         g.normal_()
@@ -548,9 +554,13 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, gra
     assert probe >= 0.9 * residual, (probe, residual)   # the probe sees such a copy
     for g in grads:
         g.normal_()
+    if grad_dtype == torch.float16:   # the scaler halved the scale since E was formed
+        comp.loss_scale = torch.tensor([512.0])
     step = transient(lambda: simulated_step([comp], [grads]))
     assert residual > 2 * (factors + workspace)          # the bound is a real test
     assert step <= factors + workspace, (step, factors, workspace, residual)
+    skip = transient(lambda: comp.after_step(applied=False))
+    assert skip <= factors + workspace, (skip, factors, workspace, residual)
 
 
 def test_bf16_error_feedback_halves_the_state_and_round_trips():

@@ -117,6 +117,7 @@ def _end_of_step(out, call: dict) -> None:
         iteration = args.curr_iteration
     if _state.first_iteration is None:
         _state.first_iteration = iteration
+    _state.skipped += bool(out[1])   # Megatron-LM's skipped_iter: the guard's or the scaler's
     if out[3] or iteration + 1 != args.train_iters:   # should_exit, or not the last
         return
     stop_if_weights_nonfinite(call["model"], f"at the end (iteration {iteration + 1})")
@@ -126,13 +127,21 @@ def _end_of_step(out, call: dict) -> None:
 
         from megatron_edgc.runtime.step import CompressionTally
 
+        from megatron_edgc.runtime.step import has_loss_scaler
+
         done = iteration + 1 - _state.first_iteration
         which = f" ({', '.join(map(str, guard.skipped))})" if guard.skipped else ""
-        runtime = _state.runtime
+        runtime, optimizer = _state.runtime, call.get("optimizer")
+        scaler = ""
+        if has_loss_scaler(optimizer):   # fp16: the skips of Megatron's own loss scaler
+            scaler = f" | {_state.skipped - len(guard.skipped)} skipped by the loss scaler"
+            if runtime is not None and runtime.loss_scale_changes is not None:
+                scaler += (f" | {int(runtime.loss_scale_changes)} loss-scale changes (now "
+                           f"{float(optimizer.get_loss_scale()):g})")
         compressed = f" | {CompressionTally.line(runtime.tally.summary())}" \
             if runtime is not None and runtime.dp_compression is not None else ""
         log_rank0(f"EDGC summary | {done} iterations | {len(guard.skipped)} skipped for a "
-                  f"non-finite gradient{which}{compressed}")
+                  f"non-finite gradient{which}{scaler}{compressed}")
 
 
 def _build_runtime(model, optimizer, scheduler) -> None:
@@ -366,4 +375,5 @@ def disable() -> None:
     if _state.guard is not None:
         _state.guard.uninstall()
     _state.cfg = _state.runtime = _state.records = _state.stashed = _state.guard = None
+    _state.first_iteration, _state.skipped = None, 0
 

@@ -16,6 +16,7 @@ class PluginState:
         self.originals: dict = {}               # (module, name) -> the wrapped function
         self.guard = None                       # NonFiniteStepGuard on Megatron's optimizer
         self.first_iteration: Optional[int] = None   # this process's first train_step
+        self.skipped = 0                        # steps not applied (the guard's, the scaler's)
 
     def compression_on(self) -> bool:
         cfg = self.cfg

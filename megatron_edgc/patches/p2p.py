@@ -242,6 +242,10 @@ class CompressingP2PCommunicator(_P2PBase):
     message counters that pair sends with receives).
     """
 
+    #: this iteration's loss scale (fp16's scaler, float ``[1]`` on the device; None
+    #: without one): each sender keeps its residual in the units it was formed at
+    loss_scale: Optional[torch.Tensor] = None
+
     def __init__(self, pp_group, config, *, num_microbatches: int, num_chunks: int = 1,
                  epilogue_only: bool = False, seed: int = 0, timer=None):
         features.require("p2p")
@@ -261,9 +265,6 @@ class CompressingP2PCommunicator(_P2PBase):
         self._received: list = []  # this step's (k, expected header, received header)
         self.entropy_probe: Optional[Callable[[torch.Tensor], None]] = None
         self.senders: dict[int, ActivationGradSender] = {}
-        #: this iteration's loss scale (fp16's scaler, float ``[1]`` on the device; None
-        #: without one): each sender keeps its residual in the units it was formed at
-        self.loss_scale: Optional[torch.Tensor] = None
         self.send_count = self.recv_count = 0
         group = config.microbatch_group_size_per_vp_stage or self.pp_size
         self._group_size = group
