@@ -111,6 +111,13 @@ E2E_VARIANTS = {
     # issue 56: GPT-2 medium with bf16 gradient buffers (fp32 ones: the plain e2e runs)
     **{f"e2e-gpt2-medium-{m}-bf16grads": ("gpt2-medium", m, ["--grad-reduce-in-bf16"])
        for m in MODES},
+    # issue 63: fp16 with megatron-core's dynamic loss scaler (the paper's V100 precision),
+    # fp16 gradient buffers, a scale window short enough to grow inside the run: the
+    # report gives the skips and scale changes each run saw
+    **{f"e2e-gpt2-small-cpu-{m}-fp16": ("gpt2-small-cpu", m,
+                                         ["--fp16", "--initial-loss-scale", "65536",
+                                          "--loss-scale-window", "10"])
+       for m in ("static", "edgc")},
 }
 
 
@@ -506,9 +513,10 @@ class Checklist:
             return self.record(name, None, 0.0, summary="needs bf16 (--bf16 on CPU)")
         size, measured = self.e2e_size(config), config in MEASURED
         ck = os.path.join(self.work, name + "-ckpt")
+        fp16 = "--fp16" in extra   # its own mixed precision: not --bf16
         base = ["--config", f"configs/{config}.yaml", *e2e_flags(size.iters), *MODE_FLAGS[mode],
                 *size.ranks.get(mode, ()), *size.model, *extra,
-                *(["--bf16"] if self.bf16 else []),
+                *(["--bf16"] if self.bf16 and not fp16 else []),
                 *(["--distributed-backend", "nccl"] if self.cuda else [])]
         half = size.iters // 2
         resumed = None
@@ -535,6 +543,14 @@ class Checklist:
                            grad_sync_ms=full["records"][-1].get("grad_sync_ms"),
                            timing_source="CUDA events" if self.cuda else "host clock",
                            concurrent_jobs=1 if measured else self.args.jobs)
+        if fp16 and full["records"]:   # the loss scaler's work, as the run saw it
+            scales = [r.get("loss_scale") for r in full["records"]]
+            details.update(fp16_skipped=sum(bool(r.get("skipped")) for r in full["records"]),
+                           fp16_scale_changes=sum(a != b for a, b in zip(scales, scales[1:])),
+                           fp16_final_scale=scales[-1])
+            details["summary"] = (f"fp16: {details['fp16_skipped']} skipped, "
+                                  f"{details['fp16_scale_changes']} scale changes (last "
+                                  f"{details['fp16_final_scale']:g}); " + details["summary"])
         seconds = full["seconds"] + (resumed or {}).get("seconds", 0.0)
         if measured:
             seconds += self.measure(name, config, mode, extra, size, base, full, details)

@@ -77,7 +77,8 @@ def test_the_plan_follows_modes_configs_and_the_gpu_count(tmp_path):
     assert first == ["install", "data"] and last == ["kernels"]
     assert pool == ["unit", "e2e-gpt2-small-cpu-static", "e2e-gpt2-small-cpu-edgc",
                     "e2e-gpt2-small-cpu-edgc-bf16grads", "e2e-gpt2-small-cpu-edgc-bf16dense",
-                    "e2e-gpt2-small-cpu-edgc-timebudget", "gloo4-static-dp-cpu-tensors",
+                    "e2e-gpt2-small-cpu-edgc-timebudget", "e2e-gpt2-small-cpu-static-fp16",
+                    "e2e-gpt2-small-cpu-edgc-fp16", "gloo4-static-dp-cpu-tensors",
                     "gloo4-edgc-pp-cpu-tensors", "plugin-static", "plugin-static-bf16grads",
                     "plugin-edgc", "plugin-edgc-bf16grads", "sync"]
     _, pool, _ = plan(4, ["tiny-cpu"])
@@ -195,6 +196,36 @@ def fake_records(flags, ms, dense_from=None, stood_in_at=None):
 def flag(flags, name):
     """The value of the last ``name`` in ``flags`` (None if absent)."""
     return next((flags[i + 1] for i in range(len(flags) - 2, -1, -1) if flags[i] == name), None)
+
+
+def test_the_fp16_checks_train_in_fp16_and_report_the_scalers_work(tmp_path, monkeypatch):
+    """The fp16 e2e checks (issue 63) pass ``--fp16`` and not the CUDA runs' ``--bf16``, and
+    report the skips and scale changes their run saw."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check.Checklist, "environment", lambda self: {"device": "cuda"})
+    args = argparse.Namespace(device="cuda", bf16=False, out=str(tmp_path / "out"),
+                              target=None, only=["e2e"], configs=["gpt2-small-cpu"],
+                              modes=["static"], variants=["e2e-gpt2-small-cpu-static-fp16"],
+                              gpus=1, jobs=1, run_timeout=60.0)
+    checks = gpu_check.Checklist(args)
+    seen = []
+
+    def train(name, flags, timeout, env=None):
+        seen.append(flags)
+        if "--save" in flags:   # the midpoint's checkpoint directory, as the run makes it
+            os.makedirs(flags[flags.index("--save") + 1], exist_ok=True)
+        records = fake_records(flags, 10.0)
+        for r in records:   # two skips, the scale halved then doubled
+            r["skipped"] = r["iteration"] in (5, 6)
+            r["loss_scale"] = 65536.0 / (2 if 6 < r["iteration"] <= 20 else 1)
+        return {"rc": 0, "tail": "", "seconds": 1.0, "records": records, "log": ""}
+
+    monkeypatch.setattr(checks, "_train", train)
+    entry = checks.check_e2e("e2e-gpt2-small-cpu-static-fp16",
+                             *gpu_check.E2E_VARIANTS["e2e-gpt2-small-cpu-static-fp16"])
+    assert all("--fp16" in f and "--bf16" not in f for f in seen) and len(seen) == 2
+    assert (entry["fp16_skipped"], entry["fp16_scale_changes"]) == (2, 2), entry
+    assert entry["summary"].startswith("fp16: 2 skipped, 2 scale changes (last 65536)")
 
 
 def test_the_measured_config_runs_last_one_at_a_time_off_first(tmp_path):
