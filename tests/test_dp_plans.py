@@ -144,7 +144,7 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
     """``force_all_reduce`` (core_v0.19's ``training.py`` sets it to save weight gradients)
     asks for a dense all-reduce of the whole bucket: megatron-core's own sync runs, with
     every residual added into the gradients first (nothing is lost; in the units of the
-    gradients megatron-core then scales) and zeroed; the bytes are the dense ones; the next
+    gradients megatron-core then scales) and zeroed once the step is applied; the bytes are the dense ones; the next
     step compresses again from the kept warm start."""
     calls = []
     chunk = chunk_with_megatron_sync(calls)
@@ -175,6 +175,9 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
         for j, i in enumerate(g.indices):
             views[i] += residual[j]
     assert torch.equal(bucket.grad_data, expected)       # G/4 + E, summed dense
+    # kept until the optimizer applies the step (a skip keeps them), then zeroed
+    assert all(torch.equal(g.residual, r) for g, r in zip(groups, residuals))
+    comp.after_step(applied=True)
     assert all(g.residual.abs().sum() == 0 for g in groups)
     assert all(torch.equal(g.q, q) for g, q in zip(groups, qs))
     # megatron-core's own bytes (none over a group of one), counted as dense

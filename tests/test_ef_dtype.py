@@ -85,6 +85,8 @@ def test_a_dense_sync_adds_a_residual_once_and_then_nothing():
     dense = [torch.randn(s) for s in SHAPES]
     before = [d.clone() for d in dense]
     comp.absorb_residual(dense)
+    assert not comp.residual_clear     # kept until the step is applied (a skip keeps it)
+    comp.after_step(applied=True)
     assert comp.residual_clear
     added = sum((d - b).abs().sum() for d, b in zip(dense, before))
     assert torch.isclose(added, sum(r.abs().sum() for r in residual.values()), rtol=1e-5)
