@@ -615,15 +615,7 @@ def test_a_nan_gradient_is_a_skipped_iteration(megatron_lm, tmp_path, extra):
     gradient before the DP collective (``--check-for-nan-in-loss-and-grad``, on by default:
     it raises) is off, as it cannot see a non-finite *reduced* gradient (an overflow in the
     reduction, a faulty compressed sync), which is what the guard is for."""
-    script = tmp_path / "pretrain_gpt_nan.py"
-    script.write_text(NAN_INJECTING_SCRIPT.format(script=megatron_lm[2]))
-    cmd, env, metrics = megatron_lm_command(
-        megatron_lm, str(script), extra + ["--no-check-for-nan-in-loss-and-grad"], tmp_path,
-        "nan")
-    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_NAN_AT": "3"}, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out, records = run_with_nonfinite_grad(megatron_lm, tmp_path, extra, "nan", value="nan")
     skips = [int(n) for n in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
     assert len(skips) == 8 and sum(skips) == 1 and skips[3] == 1, (skips, out[-4000:])
     assert out.count("iteration 4: non-finite gradient (grad norm nan): step skipped, "
@@ -631,7 +623,6 @@ def test_a_nan_gradient_is_a_skipped_iteration(megatron_lm, tmp_path, extra):
     assert "EDGC summary | 8 iterations | 1 skipped for a non-finite gradient (4)" in out
     losses = lm_losses(out)
     assert len(losses) >= 7 and all(v == v and abs(v) < 100 for v in losses.values()), losses
-    records = read_records(metrics)
     if records:   # compression on: the plug-in's records say which iteration was skipped
         assert [r["skipped"] for r in records] == [r["iteration"] == 4 for r in records]
 
@@ -662,17 +653,23 @@ FALLBACK = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off",
             "--edgc-fallback-iters", "2"]
 
 
-def run_failing_factorizations(megatron_lm, tmp_path, extra, name):
-    """The plug-in's job with factorizations failing at iterations 2 and 3 (1-based)."""
-    script = tmp_path / "pretrain_gpt_failing.py"
-    script.write_text(FAILING_FACTORIZATIONS_SCRIPT.format(script=megatron_lm[2]))
-    cmd, env, metrics = megatron_lm_command(megatron_lm, str(script), FALLBACK + extra,
-                                            tmp_path, name)
-    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_FAIL_AT": "1,2"}, cwd=str(tmp_path),
+def run_injected(megatron_lm, tmp_path, template: str, variables: dict, extra, name):
+    """The two-line script run through an injecting ``template`` (its path as ``{script}``)
+    with the environment ``variables``; returns (output, EDGC records)."""
+    script = tmp_path / f"pretrain_gpt_{name}.py"
+    script.write_text(template.format(script=megatron_lm[2]))
+    cmd, env, metrics = megatron_lm_command(megatron_lm, str(script), extra, tmp_path, name)
+    proc = subprocess.run(cmd, env={**env, **variables}, cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out, read_records(metrics)
+
+
+def run_failing_factorizations(megatron_lm, tmp_path, extra, name):
+    """The plug-in's job with factorizations failing at iterations 2 and 3 (1-based)."""
+    return run_injected(megatron_lm, tmp_path, FAILING_FACTORIZATIONS_SCRIPT,
+                        {"EDGC_TEST_FAIL_AT": "1,2"}, FALLBACK + extra, name)
 
 
 def test_failed_factorizations_go_dense_and_come_back_in_the_plug_in(megatron_lm, tmp_path):
@@ -720,20 +717,14 @@ FP16 = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3",
         "--hysteresis", "1"]
 
 
-def run_with_overflow(megatron_lm, tmp_path, extra, name, at=3):
-    """The two-line script with a non-finite value (Inf) in DP rank 1's gradient of
-    (0-based) iteration ``at``; returns (output, EDGC records)."""
-    script = tmp_path / "pretrain_gpt_inf.py"
-    script.write_text(NAN_INJECTING_SCRIPT.format(script=megatron_lm[2])
-                      .replace('float("nan")', 'float("inf")'))
-    cmd, env, metrics = megatron_lm_command(
-        megatron_lm, str(script), extra + ["--no-check-for-nan-in-loss-and-grad"], tmp_path,
-        name)
-    proc = subprocess.run(cmd, env={**env, "EDGC_TEST_NAN_AT": str(at)}, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out, read_records(metrics)
+def run_with_nonfinite_grad(megatron_lm, tmp_path, extra, name, value="inf", at=3):
+    """The two-line script with ``value`` (``nan``; ``inf``, an fp16 overflow) in DP rank
+    1's gradient of (0-based) iteration ``at``, Megatron-LM's own per-rank check off;
+    returns (output, EDGC records)."""
+    return run_injected(megatron_lm, tmp_path,
+                        NAN_INJECTING_SCRIPT.replace('float("nan")', f'float("{value}")'),
+                        {"EDGC_TEST_NAN_AT": str(at)},
+                        extra + ["--no-check-for-nan-in-loss-and-grad"], name)
 
 
 def test_fp16_with_the_loss_scaler_in_the_plug_in(megatron_lm, tmp_path):
@@ -755,7 +746,7 @@ def test_fp16_with_the_loss_scaler_in_the_plug_in(megatron_lm, tmp_path):
     _, off, _ = run_megatron_lm(megatron_lm, megatron_lm[2], FP16, tmp_path, "off")
     assert len(plain) == 8 and off == plain, (off, plain)   # bitwise, as printed
     static = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off"]
-    out, records = run_with_overflow(megatron_lm, tmp_path, FP16 + static, "static16")
+    out, records = run_with_nonfinite_grad(megatron_lm, tmp_path, FP16 + static, "static16")
     skips = [int(n) for n in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
     assert skips == [int(i == 3) for i in range(8)], (skips, out[-4000:])
     assert [r["skipped"] for r in records] == [r["iteration"] == 4 for r in records]
@@ -765,7 +756,7 @@ def test_fp16_with_the_loss_scaler_in_the_plug_in(megatron_lm, tmp_path):
     assert "EDGC summary | 8 iterations | 0 skipped for a non-finite gradient | 1 skipped " \
         f"by the loss scaler | {changes} loss-scale changes" in out, out[-3000:]
     assert "DP compressed 7/7 of 8 iterations per stage (8/8 with a rank in force)" in out
-    _, fp32 = run_with_overflow(megatron_lm, tmp_path, static, "static32")
+    _, fp32 = run_with_nonfinite_grad(megatron_lm, tmp_path, static, "static32")
     assert [r["skipped"] for r in fp32] == [r["iteration"] == 4 for r in fp32]
     gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(records, fp32))
     assert gap < 0.02, ([r["loss"] for r in records], [r["loss"] for r in fp32])
