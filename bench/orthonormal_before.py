@@ -14,8 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_edgc.compression.orthonormal import (_IeeeFp32Matmul, orthonormal_fill,
-                                                   orthonormal_stand_in)
+from megatron_edgc.compression.orthonormal import _IeeeFp32Matmul, fixed_basis
 
 #: The diagonal shift of the first two CholeskyQR passes: at least GRAM_SHIFT (relative
 #: to a unit column), and at least GRAM_ROUNDING times the Gram matrix's Frobenius norm.
@@ -62,15 +61,15 @@ def fp32_gram_orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = Non
        ~1e-5 of its norm (above ~1e-4 where its columns are nearly collinear) has singular
        value ≈ 1 and the directions ``P`` lacks (zero columns, an all-zero ``P`` of a
        frozen weight, rank below ``r``) are near 0;
-    3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed Gaussian
-       ``F`` (:func:`orthonormal_fill`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
+    3. the missing directions are filled: ``x += F (I - xᵀx)²`` with a fixed orthonormal
+       ``F`` (:func:`fixed_basis`). ``(I - xᵀx)²`` is ~``s²`` on the directions ``P``
        has and ~1 on those it lacks, so the span is kept (to ~1e-10) and every missing
        direction gets a unit vector, as Householder QR gives zero columns;
     4. one unshifted CholeskyQR pass: orthogonal to ``ORTHOGONALITY_BOUND``;
     5. where a factorization failed all the same (rounding left a shifted Gram indefinite:
        cuSOLVER's Cholesky returns NaN there, LAPACK finite garbage; rare since the shift
        grows with the Gram's norm) the matrix's basis is a fixed orthonormal one
-       (:func:`orthonormal_stand_in`): the error feedback keeps what it misses. Chosen on
+       (:func:`fixed_basis`): the error feedback keeps what it misses. Chosen on
        the device; ``stood_in``, when given, gets the bool ``[k]`` of those matrices.
 
     Flops: three Gram matrices and four ``[n, r] x [r, r]`` products, ``14 n r²`` per
@@ -84,7 +83,7 @@ def fp32_gram_orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = Non
     x = p.float().unsqueeze(0) if squeeze else p.float()
     k, n, r = x.shape
     if fill is None:
-        fill = orthonormal_fill(n, r, x.device)
+        fill = fixed_basis(n, r, x.device)
     given = torch.isfinite(x).all(dim=(1, 2), keepdim=True)
     with _IeeeFp32Matmul():
         largest = x.abs().amax(dim=(1, 2), keepdim=True)
@@ -103,7 +102,7 @@ def fp32_gram_orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = Non
         x = _cholesky_qr_pass(x, eye, False)
         trace("4. unshifted CholeskyQR pass", x)
         failed = given & torch.isfinite(x).all(dim=(1, 2), keepdim=True).logical_not()
-        x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
+        x = torch.where(failed, fixed_basis(n, r, x.device), x)
         trace("5. a fixed basis where a factorization failed", x)
     if stood_in is not None:
         stood_in.append(failed.view(-1))

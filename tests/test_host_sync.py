@@ -106,6 +106,27 @@ def test_a_compressed_bucket_step_makes_no_host_sync(factor_dtype, spectrum, fin
     assert torch.isfinite(grads[0]).all() == finite
 
 
+def test_a_rank_change_mid_run_makes_no_host_sync_in_the_step():
+    """Ranks that change mid-run (EDGC's windows, DAC, the budget controller: 4, 6, 8, 6):
+    the step at each new rank makes no host sync; the warm start's new columns are seeded
+    before it (``prepare``), the orthonormalization's fixed basis is built on the device
+    (``test_orthonormal.py``), one per row count whatever the ranks."""
+    from megatron_edgc.compression import orthonormal
+
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    one_step(comp, [torch.randn(*s, generator=gen) for _, s in ENTRIES])
+    orthonormal._BASES.clear()
+    for rank in (6, 8, 6):
+        comp.set_rank(rank)
+        comp.prepare()
+        grads = [torch.randn(*s, generator=gen) for _, s in ENTRIES]
+        with HostSyncCounter() as syncs:
+            one_step(comp, grads)
+        assert syncs.calls == [], rank
+    assert sorted(k[0] for k in orthonormal._BASES) == [48, 64]   # P's rows, per shape
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("finite", [True, False])
 def test_a_step_under_a_changed_loss_scale_and_its_skip_make_no_host_sync(grad_dtype,

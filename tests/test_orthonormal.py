@@ -121,3 +121,43 @@ def test_the_safe_shift_is_far_below_the_span_threshold_in_fp64_and_impossible_i
     # ‖E‖₂ <= ‖E‖_F ~ c √n u r for unit diagonals)
     u = torch.finfo(torch.float64).eps / 2
     assert all(10 * n ** 0.5 * u * r < cholesky_safe_shift(n, r) for n, r in SHAPES)
+
+
+def test_the_fixed_basis_is_orthonormal_built_on_the_device_and_bounded():
+    """The null-space fill and the stand-in basis (issue 64): orthonormal columns to fp32's
+    rounding at every factor shape; built from indices on the device (no tensor is made on
+    the host: the step makes no host copy, hence no sync, at a new shape); one per row
+    count whatever the ranks asked (a rank's basis is the widest one's first columns); no
+    column a constant direction."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_edgc.compression import orthonormal
+
+    for n, r in [(64, 64), (1024, 256), (50304, 256), (7, 3)]:
+        f = orthonormal.fixed_basis(n, r, "cpu").double()
+        assert (f.T @ f - torch.eye(r, dtype=torch.float64)).abs().max() < 1e-6, (n, r)
+        if 64 <= n and r < n:   # a constant (a gradient's mean) is no column's direction
+            assert (f.sum(0).abs() / n ** 0.5).max() < 0.3, (n, r)
+
+    class Devices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.device.type)
+            return out
+
+    with Devices() as made:
+        orthonormal.fixed_basis(300, 20, "meta")
+    assert made.seen == {"meta"}
+    orthonormal._BASES.clear()
+    for r in (4, 8, 16, 8, 4):
+        basis = orthonormal.fixed_basis(512, r, "cpu")
+        assert basis.shape == (512, r)
+    assert [tuple(b.shape) for b in orthonormal._BASES.values()] == [(512, 16)]
+    assert torch.equal(orthonormal.fixed_basis(512, 8, "cpu"),
+                       orthonormal._BASES[(512, "cpu")][:, :8])

@@ -721,7 +721,7 @@ def test_a_failed_factorization_is_replaced_on_the_device(monkeypatch):
     orthonormal basis stands in for that matrix, chosen on the device with no second
     factorization and no host sync, and ``stood_in`` says which; the error feedback keeps
     what the stand-in misses. Here the first pass's factorization of matrix 0 fails."""
-    from megatron_edgc.compression.orthonormal import orthonormal_stand_in
+    from megatron_edgc.compression.orthonormal import fixed_basis
 
     cholesky_ex, calls = torch.linalg.cholesky_ex, []
 
@@ -740,7 +740,7 @@ def test_a_failed_factorization_is_replaced_on_the_device(monkeypatch):
     monkeypatch.undo()
     assert [c[0] for c in calls] == [p.shape[0]] * 3   # one batched call per pass
     assert stood_in[0].tolist() == [True, False]
-    assert torch.equal(q[0], orthonormal_stand_in(512, 32, "cpu"))
+    assert torch.equal(q[0], fixed_basis(512, 32, "cpu"))
     _assert_orthonormal_basis_of(q[:1], p[:1], missed_at_most=1.0)
     _assert_orthonormal_basis_of(q[1:], p[1:], missed_at_most=1e-4)
     assert torch.equal(q[1], orthonormalize(p)[1])   # the other matrix as without failure

@@ -7,8 +7,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_edgc.compression.matrices import seeded_gaussian
-
 #: The working dtype of the orthonormalization. In fp32 the Gram ``xᵀx`` of ``n`` rows is
 #: off by up to ``r γ_n`` of its norm, which no shift can absorb at the widths users train
 #: (:func:`cholesky_safe_shift` is 4.0 at ``n = 50304, r = 256``): GPT-2 medium's factors
@@ -22,7 +20,9 @@ GRAM_SHIFT = 1e-5
 #: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
 ORTHOGONALITY_BOUND = 1e-5
 
-_FILLS: dict = {}
+#: (rows, device) -> the fixed basis of that many rows for the widest rank asked so far
+#: (:func:`fixed_basis`): one per row count, whatever the ranks a run reaches.
+_BASES: dict = {}
 
 
 def cholesky_safe_shift(n: int, r: int, dtype: torch.dtype = WORK_DTYPE) -> float:
@@ -39,27 +39,39 @@ def cholesky_safe_shift(n: int, r: int, dtype: torch.dtype = WORK_DTYPE) -> floa
     return 2 * (r * gamma + 20 * r ** 2.5 * u)
 
 
-def orthonormal_fill(n: int, r: int, device) -> torch.Tensor:
-    """A fixed ``[n, r]`` Gaussian with unit columns, the same on every rank (it depends
-    only on ``(n, r)``); cached per device (``n r`` floats per shape)."""
-    key = (n, r, str(device))
-    fill = _FILLS.get(key)
-    if fill is None:
-        fill = seeded_gaussian(0, "orthonormal-fill", f"{n}x{r}", n, r)
-        fill = (fill / torch.linalg.vector_norm(fill, dim=0, keepdim=True)).to(device)
-        _FILLS[key] = fill
-    return fill
+def _row_signs(n: int, device) -> torch.Tensor:
+    """``[n, 1]`` of ±1 from an integer hash of each row's index (a 64-bit mix, exact on
+    every device: the same signs everywhere)."""
+    h = torch.arange(n, device=device, dtype=torch.int64) * 0x9E3779B1 + 0x7F4A7C15
+    h = (h ^ (h >> 16)) * 0x45D9F3B
+    h = (h ^ (h >> 16)) * 0x45D9F3B
+    h = h ^ (h >> 16)
+    return ((h & 1) * 2 - 1).to(torch.float64).view(n, 1)
 
 
-def orthonormal_stand_in(n: int, r: int, device) -> torch.Tensor:
-    """A fixed orthonormal ``[n, r]`` in fp32, row-major (the fill, orthonormalized once
-    per shape), the basis of a matrix whose factorization failed."""
-    key = (n, r, str(device), "orthonormal")
-    basis = _FILLS.get(key)
-    if basis is None:
-        basis = _FILLS[key] = torch.linalg.qr(orthonormal_fill(n, r, "cpu").double())[0] \
-            .float().contiguous().to(device)
-    return basis
+def fixed_basis(n: int, r: int, device) -> torch.Tensor:
+    """A fixed ``[n, r]`` fp32 basis with orthonormal columns (to fp32's rounding), the
+    same bits on every rank of a job: the DCT-II basis (``√(2/n) cos(π(2i+1)j / 2n)``,
+    ``1/√n`` for ``j = 0``) with each row's sign flipped by a hash of its index, so that no
+    column is a constant or smooth direction a gradient may share. Built on ``device``
+    from indices (``arange``, integer arithmetic, ``cos`` in fp64): no host data, no copy,
+    no sync, at any new shape (the rank changes of the budget controller, EDGC's windows,
+    DAC). Its first ``r`` columns do not depend on ``r``: one basis per row count is kept,
+    for the widest ``r`` asked so far, and sliced — the cache grows with the shapes, not
+    with the ranks. The null-space fill of :func:`orthonormalize` and the basis that stands
+    in where a factorization failed."""
+    if not 1 <= r <= n:
+        raise ValueError(f"a basis of {r} orthonormal columns needs 1 <= r <= n = {n}")
+    key = (n, str(device))
+    basis = _BASES.get(key)
+    if basis is None or basis.shape[1] < r:
+        i = torch.arange(n, device=device, dtype=torch.int64).view(n, 1)
+        j = torch.arange(r, device=device, dtype=torch.int64).view(1, r)
+        phase = ((2 * i + 1) * j) % (4 * n)        # exact: the angle reduced to [0, 2π)
+        cols = torch.cos(phase.to(torch.float64) * (torch.pi / (2 * n)))
+        cols = cols * torch.where(j == 0, (1.0 / n) ** 0.5, (2.0 / n) ** 0.5)
+        basis = _BASES[key] = (cols * _row_signs(n, device)).float()
+    return basis[:, :r]
 
 
 class _IeeeFp32Matmul:
@@ -127,7 +139,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        has singular value ≈ 1, and the directions ``P`` lacks (zero columns, an all-zero
        ``P`` of a frozen weight, rank below ``r``) are near 0;
     3. the missing directions are filled: ``x₃ = x₀T + F (I - x₂ᵀx₂)²`` with a fixed
-       Gaussian ``F`` (:func:`orthonormal_fill`), formed in fp32. ``I - x₂ᵀx₂ = s₂L₂⁻¹L₂⁻ᵀ``
+       orthonormal ``F`` (:func:`fixed_basis`), formed in fp32. ``I - x₂ᵀx₂ = s₂L₂⁻¹L₂⁻ᵀ``
        is ~``s`` on the directions ``P`` has and ~1 on those it lacks, so the span is kept
        (to ~1e-10) and every missing direction gets a unit vector, as Householder QR
        gives zero columns;
@@ -136,7 +148,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        ``x₃``, so the rounding of steps 1-3 is corrected here);
     5. the last resort, should a factorization fail all the same (a device whose Cholesky
        breaks its error bound; cuSOLVER's gives NaN there, LAPACK's finite garbage): that
-       matrix's basis is a fixed orthonormal one (:func:`orthonormal_stand_in`) and the
+       matrix's basis is the fixed orthonormal one (:func:`fixed_basis`) and the
        error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
        gets the bool ``[k]`` of those matrices.
 
@@ -152,7 +164,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     x = p.unsqueeze(0) if squeeze else p
     k, n, r = x.shape
     if fill is None:
-        fill = orthonormal_fill(n, r, x.device)
+        fill = fixed_basis(n, r, x.device)
     columns = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=WORK_DTYPE)
     given = torch.isfinite(columns).all(dim=2).view(-1)   # fp64 norms of fp32: exact test
     scale = columns.clamp_min(torch.finfo(WORK_DTYPE).tiny).reciprocal()
@@ -183,7 +195,7 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     factors = torch.cat([transform, missing, inv3], dim=2)
     failed = failed1 | failed2 | failed3 | torch.isfinite(factors).all(dim=(1, 2)).logical_not()
     failed = (given & failed).view(-1, 1, 1)
-    x = torch.where(failed, orthonormal_stand_in(n, r, x.device), x)
+    x = torch.where(failed, fixed_basis(n, r, x.device), x)
     if trace is not None:
         trace("5. a fixed basis where a factorization failed", x)
     if stood_in is not None:

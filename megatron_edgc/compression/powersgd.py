@@ -78,7 +78,7 @@ from megatron_edgc.compression.matrices import (FACTOR_DTYPES, FLOAT_BYTES,  # n
                                                 is_compressible, matrix_shape, run_view,
                                                 seeded_gaussian, strided_runs)
 from megatron_edgc.compression.orthonormal import (GRAM_SHIFT,  # noqa: F401
-                                                   ORTHOGONALITY_BOUND, orthonormal_fill,
+                                                   ORTHOGONALITY_BOUND, fixed_basis,
                                                    orthonormalize)
 
 _Step = Step  # the name bench/step_before.py knows
