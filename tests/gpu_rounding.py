@@ -52,3 +52,48 @@ class GpuRounding:
 
     def __exit__(self, *exc):
         torch.linalg.cholesky_ex = self.original
+
+
+def to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to TF32 (10 mantissa bits, to nearest), as a tensor core reads
+    an fp32 operand when TF32 is on."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view_as(x)
+
+
+class ForcedTf32:
+    """Context manager: every fp32 ``bmm``/``baddbmm``/``matmul``/``@`` rounds its operands
+    to TF32 first, as NVIDIA's PyTorch containers do on a GPU with
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` whatever ``torch.backends.cuda.matmul`` says;
+    products in other dtypes (fp64) are untouched, as there. ``calls`` counts the fp32
+    products rounded."""
+
+    NAMES = ("bmm", "baddbmm", "matmul")
+
+    def __init__(self):
+        self.calls = 0
+
+    def _wrap(self, fn, operands):
+        def rounded(*args, **kwargs):
+            if all(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                   for a in args[operands]):
+                self.calls += 1
+                args = tuple(to_tf32(a) if i in range(*operands.indices(len(args)))
+                             and isinstance(a, torch.Tensor) else a
+                             for i, a in enumerate(args))
+            return fn(*args, **kwargs)
+        return rounded
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch, name) for name in self.NAMES}
+        self.saved_matmul_op = torch.Tensor.__matmul__
+        for name in self.NAMES:   # baddbmm(input, a, b): the product's operands a, b
+            operands = slice(1, 3) if name == "baddbmm" else slice(0, 2)
+            setattr(torch, name, self._wrap(self.saved[name], operands))
+        torch.Tensor.__matmul__ = self._wrap(self.saved_matmul_op, slice(0, 2))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch, name, fn)
+        torch.Tensor.__matmul__ = self.saved_matmul_op

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gpu_rounding import GpuRounding
+from gpu_rounding import ForcedTf32, GpuRounding
 from megatron_edgc.compression.orthonormal import (GRAM_SHIFT, ORTHOGONALITY_BOUND,
                                                    cholesky_safe_shift, orthonormalize)
 
@@ -46,11 +46,14 @@ def factors(kind: str, n: int, r: int, seed: int) -> torch.Tensor:
     * ``decaying``: singular values from 1 down to 1e-7 (warm-started PowerSGD);
     * ``dominant``: one direction and 1e-4 noise (early training; the H200's Grams had a
       largest eigenvalue of 50-63 of 64);
-    * ``deficient``: rank r/4, then a zero column (a frozen weight's rows)."""
+    * ``deficient``: rank r/4, then a zero column (a frozen weight's rows);
+    * ``norms``: Gaussian columns whose norms span 1e-6 to 1e2."""
     gen = torch.Generator().manual_seed(seed)
     k = 2 if n <= 8192 else 1
     if kind == "spread":
         return torch.randn(k, n, r, generator=gen)
+    if kind == "norms":
+        return torch.randn(k, n, r, generator=gen) * torch.logspace(-6, 2, r)
     if kind == "decaying":   # Gaussian columns are orthogonal to ~1/√n: U S Vᵀ nearly
         u = torch.randn(k, n, r, generator=gen) / n ** 0.5
         v = torch.linalg.qr(torch.randn(k, r, r, generator=gen))[0]
@@ -96,6 +99,56 @@ def test_no_factorization_fails_under_a_gpu_rounding_model(n, r):
         # decaying: directions below ~GRAM_SHIFT^(1/2) of the norm may go (1e-7 .. 3e-3)
         missed = 3e-3 if kind == "decaying" else 1e-4
         assert_orthonormal_basis_of(q, p, missed_at_most=missed)
+
+
+KINDS = ("spread", "decaying", "dominant", "deficient", "norms")
+#: In ``make test``: each model's widest and narrowest rows at rank 256 (or the largest rank
+#: that fits) and GPT-2 medium's at 64; every shape under ``-m extended`` (53 s here).
+TF32_CI = {(480, 128), (512, 256), (1024, 64), (1024, 256), (1600, 256), (1920, 256),
+           (12576, 256), (50304, 256)}
+TF32_SHAPES = [pytest.param(n, r, id=f"{n}x{r}",
+                            marks=() if (n, r) in TF32_CI else pytest.mark.extended)
+               for n, r in SHAPES]
+
+
+@pytest.mark.parametrize("n,r", TF32_SHAPES)
+def test_orthonormal_under_forced_tf32(n, r):
+    """Under TF32 forced on every fp32 product (NVIDIA's containers:
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``; emulated by rounding fp32 operands to 10
+    mantissa bits), at every factor shape of GPT-2 medium/XL and the paper's shards, for
+    every kind of ``P`` the step produces: orthonormal to ``ORTHOGONALITY_BOUND`` and
+    spanning ``P`` as without TF32, nothing stood in. The products are fp64 (issue 64)."""
+    for seed, kind in enumerate(KINDS):
+        p = factors(kind, n, r, seed)
+        stood_in = []
+        with ForcedTf32():
+            q = orthonormalize(p, stood_in=stood_in)
+        assert not stood_in[0].any(), kind
+        missed = 3e-3 if kind == "decaying" else 1e-4
+        assert_orthonormal_basis_of(q, p, missed_at_most=missed)
+
+
+@pytest.mark.parametrize("n,r", [(1024, 64), (4096, 256), (50304, 128)])
+def test_fp32_products_miss_the_bound_under_forced_tf32(n, r, monkeypatch):
+    """The emulation has teeth: with the basis's products in fp32 (before issue 64, where
+    ``torch.backends.cuda.matmul`` cannot turn forced TF32 off) the output is not
+    orthonormal to the bound; the fp64 products' is, on the same input. Their cost on this
+    CPU: docs/method.md."""
+    from megatron_edgc.compression import orthonormal
+
+    p = torch.cat([factors(kind, n, r, seed) for seed, kind in enumerate(KINDS)])
+
+    def orthogonality(q):
+        qd = q.double()
+        return (qd.transpose(1, 2) @ qd - torch.eye(r, dtype=torch.float64)).abs().amax()
+
+    with ForcedTf32() as tf32:
+        fp64 = orthogonality(orthonormalize(p))
+    assert tf32.calls == 0 and fp64 <= ORTHOGONALITY_BOUND   # no fp32 product left
+    monkeypatch.setattr(orthonormal, "PRODUCT_DTYPE", torch.float32)
+    with ForcedTf32() as tf32:
+        fp32 = orthogonality(orthonormalize(p))
+    assert tf32.calls > 0 and fp32 > 10 * ORTHOGONALITY_BOUND, fp32.item()
 
 
 @pytest.mark.parametrize("n,r", [(3072, 128), (4096, 128), (1024, 64)])

@@ -13,6 +13,13 @@ import torch
 #: failed on an H100 within 25-40 iterations (issue 56). In fp64 the same bound is 7.5e-9,
 #: and fp64 products are never TF32, whatever ``NVIDIA_TF32_OVERRIDE`` says.
 WORK_DTYPE = torch.float64
+#: The dtype of the products that form the basis (steps 3-4 of :func:`orthonormalize`):
+#: their transforms have entries up to ``1/√GRAM_SHIFT`` (~300), which amplify the
+#: rounding of their operands. fp64, because NVIDIA's PyTorch containers force TF32 on
+#: fp32 products (``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, whatever
+#: ``torch.backends.cuda.matmul`` says): TF32's 10-bit operands missed the orthogonality
+#: bound by orders of magnitude there (issue 64, ``tests/test_orthonormal.py``).
+PRODUCT_DTYPE = torch.float64
 #: The span's threshold: the first two passes shift the Gram of unit columns by this, so a
 #: direction of ``P`` below ~1e-5 of its norm counts as missing and is filled (step 3).
 GRAM_SHIFT = 1e-5
@@ -139,23 +146,26 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        has singular value ≈ 1, and the directions ``P`` lacks (zero columns, an all-zero
        ``P`` of a frozen weight, rank below ``r``) are near 0;
     3. the missing directions are filled: ``x₃ = x₀T + F (I - x₂ᵀx₂)²`` with a fixed
-       orthonormal ``F`` (:func:`fixed_basis`), formed in fp32. ``I - x₂ᵀx₂ = s₂L₂⁻¹L₂⁻ᵀ``
+       orthonormal ``F`` (:func:`fixed_basis`), formed in :data:`PRODUCT_DTYPE` (fp64:
+       never TF32, whatever a container forces). ``I - x₂ᵀx₂ = s₂L₂⁻¹L₂⁻ᵀ``
        is ~``s`` on the directions ``P`` has and ~1 on those it lacks, so the span is kept
        (to ~1e-10) and every missing direction gets a unit vector, as Householder QR
        gives zero columns;
     4. a CholeskyQR pass on ``x₃`` with its own Gram (fp64), shifted only by the safe
-       shift (~1e-9): orthogonal to ``ORTHOGONALITY_BOUND`` (the Gram of the stored
-       ``x₃``, so the rounding of steps 1-3 is corrected here);
+       shift (~1e-9), its product in fp64 and rounded once to fp32: orthogonal to
+       ``ORTHOGONALITY_BOUND`` (the Gram of ``x₃`` as formed, so the rounding of steps 1-3
+       is corrected here);
     5. the last resort, should a factorization fail all the same (a device whose Cholesky
        breaks its error bound; cuSOLVER's gives NaN there, LAPACK's finite garbage): that
        matrix's basis is the fixed orthonormal one (:func:`fixed_basis`) and the
        error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
        gets the bool ``[k]`` of those matrices.
 
-    Flops over the ``n`` rows: two Grams in fp64 and three ``[n, r] x [r, r]`` products in
-    fp32 (``4 n r²`` + ``6 n r²``; the fp32 Gram CholeskyQR3 of before issue 56 did
+    Flops over the ``n`` rows: two Grams and three ``[n, r] x [r, r]`` products, all in
+    fp64 (``4 n r²`` + ``6 n r²``; the fp32 Gram CholeskyQR3 of before issue 56 did
     ``16 n r²`` in fp32), small beside the step's ``8 n m r``; the rest is ``O(r³)``.
-    Temporaries: ``[k, n, r]`` in fp64 for the Grams. Non-finite input gives non-finite
+    Temporaries: two ``[k, n, r]`` in fp64 (issue 64: the products were fp32 before,
+    which forced TF32 rounds to 10 bits). Non-finite input gives non-finite
     output (the step's non-finite flag handles it). ``trace(stage, x)``, when given, sees
     ``x`` after each of the five stages (a replay's view: ``scripts/replay_step.py``;
     stage 2's ``x₂`` is formed for it alone).
@@ -174,20 +184,22 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         trace("1. unit columns", x)
     eye = torch.eye(r, device=x.device, dtype=WORK_DTYPE)
     safe = cholesky_safe_shift(n, r)
+    x = x.to(PRODUCT_DTYPE)   # the unit columns, exact in fp64: the Gram's and products'
     inv1, s1, failed1 = _shifted_cholesky_inverse(_gram(x), eye, GRAM_SHIFT, safe)
     gram1 = eye - s1 * torch.bmm(inv1, inv1.transpose(1, 2))
     inv2, s2, failed2 = _shifted_cholesky_inverse(gram1, eye, GRAM_SHIFT, safe)
     transform = torch.bmm(inv2, inv1).transpose(1, 2)           # x₂ = x₀ T
     missing = s2 * torch.bmm(inv2, inv2.transpose(1, 2))         # I - x₂ᵀx₂
     missing = torch.bmm(missing, missing)  # ~s² on the directions P has, ~1 off them
-    with _IeeeFp32Matmul():
+    with _IeeeFp32Matmul():   # the products in PRODUCT_DTYPE (an fp32 one without TF32)
+        p64 = PRODUCT_DTYPE
         if trace is not None:
-            trace("2. two shifted CholeskyQR passes", torch.bmm(x, transform.float()))
-        x = torch.baddbmm(torch.matmul(fill.float(), missing.float()), x, transform.float())
+            trace("2. two shifted CholeskyQR passes", torch.bmm(x, transform.to(p64)).float())
+        x = torch.baddbmm(torch.matmul(fill.to(p64), missing.to(p64)), x, transform.to(p64))
         if trace is not None:
-            trace("3. missing directions filled", x)
+            trace("3. missing directions filled", x.float())
         inv3, _, failed3 = _shifted_cholesky_inverse(_gram(x), eye, 0.0, safe)
-        x = torch.bmm(x, inv3.transpose(1, 2).float())
+        x = torch.bmm(x, inv3.transpose(1, 2).to(p64)).float()
     if trace is not None:
         trace("4. CholeskyQR pass", x)
     # a failure is seen in [k, r, r]: a factorization's report, or a non-finite factor
