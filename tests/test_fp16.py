@@ -120,7 +120,7 @@ def test_an_overflow_on_one_rank_skips_the_step_everywhere_and_loses_nothing(
                     assert torch.equal(ca["Q_after"], cb["Q_after"])
 
 
-@pytest.mark.parametrize("pp", ["off", "static"])
+@pytest.mark.parametrize("pp", [pytest.param("off", marks=pytest.mark.extended), "static"])
 def test_a_changing_loss_scale_gives_the_fixed_scale_run(small_model_argv, tmp_path, pp):
     """Static rank 4 (and the pipeline's compression at rank 4): a scale that starts at 2^10
     and doubles every 3 iterations (4 changes in 14) against a fixed 2^12, the same data:
