@@ -128,7 +128,7 @@ def test_orthonormal_under_forced_tf32(n, r):
         assert_orthonormal_basis_of(q, p, missed_at_most=missed)
 
 
-@pytest.mark.parametrize("n,r", [(1024, 64), (4096, 256), (50304, 128)])
+@pytest.mark.parametrize("n,r", [(1024, 64), (4096, 256), (12576, 128)])
 def test_fp32_products_miss_the_bound_under_forced_tf32(n, r, monkeypatch):
     """The emulation has teeth: with the basis's products in fp32 (before issue 64, where
     ``torch.backends.cuda.matmul`` cannot turn forced TF32 off) the output is not
@@ -214,3 +214,27 @@ def test_the_fixed_basis_is_orthonormal_built_on_the_device_and_bounded():
     assert [tuple(b.shape) for b in orthonormal._BASES.values()] == [(512, 16)]
     assert torch.equal(orthonormal.fixed_basis(512, 8, "cpu"),
                        orthonormal._BASES[(512, "cpu")][:, :8])
+
+
+def test_a_fill_in_the_span_of_p_stands_in_instead_of_a_basis_that_is_not_orthonormal():
+    """The contrived input of issue 64: ``P``'s only nonzero column is a column of the fill,
+    at another column's place. The fill then duplicates ``P``'s direction and the last
+    pass's Gram is singular; before, the output came back with ``max |P^ᵀP^ - I|`` = 1.0
+    in all 12 placements, unflagged. Step 4's factor has a pivot below
+    ``FILL_DEFICIENT`` there: the fixed basis stands in (orthonormal; here it spans ``P``
+    too, the fill being part of it) and ``stood_in`` says so. Inputs the step produces
+    never trip it (the GPU-rounding and TF32 tests assert nothing stands in)."""
+    from megatron_edgc.compression.orthonormal import fixed_basis
+
+    n, r = 2000, 4
+    fill = fixed_basis(n, r, "cpu")
+    for a in range(r):
+        for b in range(r):
+            if a == b:
+                continue
+            p = torch.zeros(1, n, r)
+            p[0, :, b] = fill[:, a]
+            stood_in = []
+            q = orthonormalize(p, stood_in=stood_in)
+            assert stood_in[0].tolist() == [True], (a, b)
+            assert_orthonormal_basis_of(q, p, missed_at_most=1e-6)

@@ -23,6 +23,11 @@ PRODUCT_DTYPE = torch.float64
 #: The span's threshold: the first two passes shift the Gram of unit columns by this, so a
 #: direction of ``P`` below ~1e-5 of its norm counts as missing and is filled (step 3).
 GRAM_SHIFT = 1e-5
+#: Step 4's Cholesky factor ``L₃`` of the filled basis's Gram: a diagonal entry with
+#: ``L_jj² < FILL_DEFICIENT · max_i G_ii`` means two columns coincide (a fill vector that
+#: lies in ``P``'s span: every fixed fill has such a ``P``); a healthy fill keeps every
+#: ``L_jj²`` above ~0.4 (a direction half in ``P``, half filled).
+FILL_DEFICIENT = 1e-3
 #: What :func:`orthonormalize` guarantees: ``max |P^ᵀ P^ - I| <= ORTHOGONALITY_BOUND`` for
 #: every finite ``P`` (zero, rank-deficient, condition numbers up to 1e7; tested).
 ORTHOGONALITY_BOUND = 1e-5
@@ -156,9 +161,11 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        ``ORTHOGONALITY_BOUND`` (the Gram of ``x₃`` as formed, so the rounding of steps 1-3
        is corrected here);
     5. the last resort, should a factorization fail all the same (a device whose Cholesky
-       breaks its error bound; cuSOLVER's gives NaN there, LAPACK's finite garbage): that
-       matrix's basis is the fixed orthonormal one (:func:`fixed_basis`) and the
-       error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
+       breaks its error bound; cuSOLVER's gives NaN there, LAPACK's finite garbage), or
+       the fill coincide with ``P``'s span (step 4's factor has a pivot below
+       :data:`FILL_DEFICIENT`: two columns of ``x₃`` were one; any fixed fill has such a
+       ``P``): that matrix's basis is the fixed orthonormal one (:func:`fixed_basis`) and
+       the error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
        gets the bool ``[k]`` of those matrices.
 
     Flops over the ``n`` rows: two Grams and three ``[n, r] x [r, r]`` products, all in
@@ -198,14 +205,19 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
         x = torch.baddbmm(torch.matmul(fill.to(p64), missing.to(p64)), x, transform.to(p64))
         if trace is not None:
             trace("3. missing directions filled", x.float())
-        inv3, _, failed3 = _shifted_cholesky_inverse(_gram(x), eye, 0.0, safe)
+        gram3 = _gram(x)
+        inv3, _, failed3 = _shifted_cholesky_inverse(gram3, eye, 0.0, safe)
         x = torch.bmm(x, inv3.transpose(1, 2).to(p64)).float()
+    # L₃'s diagonal is 1 / inv3's: a fill that coincided with P's span (issue 64)
+    pivots = inv3.diagonal(dim1=1, dim2=2).square().reciprocal()
+    deficient = pivots.amin(dim=1) < FILL_DEFICIENT * gram3.diagonal(dim1=1, dim2=2).amax(dim=1)
     if trace is not None:
         trace("4. CholeskyQR pass", x)
     # a failure is seen in [k, r, r]: a factorization's report, or a non-finite factor
     # (cuSOLVER's NaN); the output is a product of finite factors otherwise
     factors = torch.cat([transform, missing, inv3], dim=2)
-    failed = failed1 | failed2 | failed3 | torch.isfinite(factors).all(dim=(1, 2)).logical_not()
+    failed = failed1 | failed2 | failed3 | deficient | \
+        torch.isfinite(factors).all(dim=(1, 2)).logical_not()
     failed = (given & failed).view(-1, 1, 1)
     x = torch.where(failed, fixed_basis(n, r, x.device), x)
     if trace is not None:
