@@ -39,16 +39,12 @@ class BeforeBucketCompressor(BucketCompressor):
         return torch.bmm(m, g.q)
 
     def finish(self, step, reduced: list) -> None:
-        """After the second SUM: ``M^ = P^ Q^T`` into the gradients; residual and warm start.
-
-        ``M^`` into each gradient with one ``mm`` per matrix, the residual into ``M``'s
-        own storage (``M -= P^ Q_i^T``, one ``baddbmm``), which then replaces ``E``.
-
-        Where some rank flagged a non-finite value (``step.nonfinite``, on the device) the
-        summed Q is replaced by NaN, so every decompressed gradient is NaN, and the residual
-        and warm start keep their old values: one ``torch.where`` pass over ``E``, in
-        place, on every step (the price of deciding on the device).
-        """
+        """After the second SUM: ``M^ = P^ Q^T`` into the gradients with one ``mm`` per
+        matrix, and the warm start (the residual was taken from the stacked ``M`` in the
+        inherited ``middle``: a ``baddbmm`` and a ``torch.where`` over ``E``, the same
+        work the step of before did here). Where some rank flagged a non-finite value the
+        summed Q is NaN, so every decompressed gradient is NaN, and the warm start keeps
+        its value."""
         bad = step.nonfinite
         q_buf, _, _ = self.layouts()[1].unpack(reduced)
         shapes = [(len(g.indices), g.m, self._rank_for(g)) for g in self.groups.values()]
@@ -60,11 +56,7 @@ class BeforeBucketCompressor(BucketCompressor):
                     torch.mm(p_hat[j], q[j].transpose(0, 1), out=grad)
                 else:
                     grad.copy_(torch.mm(p_hat[j], q[j].transpose(0, 1)))
-            if self.track_spectrum:  # reads M: before M becomes the residual
-                total = (step.views[key][0][2] ** 2).sum().double()
-                self._add_spectrum(key, total, step.q_local[key], bad)
-            m = step.views[key][0][2]
-            residual = m.baddbmm_(p_hat, step.q_sent[key].transpose(1, 2), alpha=-1)
-            g.residual = torch.where(bad, g.residual, residual, out=residual)
-            step.views[key] = None  # M is now the residual
+            if self.track_spectrum:
+                self._add_spectrum(key, step.energy[key], step.q_local[key], bad)
+            step.views[key] = None
             g.q = torch.where(bad, g.q, q)

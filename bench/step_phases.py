@@ -103,6 +103,8 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
         raise ValueError("the step before issue 33 takes fp32 gradient buffers only")
     cls, orth = METHODS[method]
     device = torch.device(device)
+    if device.type == "cpu":   # every setting timed under the allocator's same rules
+        release_freed_heap()
     entries = [(f"p{i}", s) for i, s in enumerate(shapes)]
     kwargs = {"ef_dtype": ef_dtype} if method != "before" else {}
     comp = cls(entries, rank, min_compression_rate=min_compression_rate, seed=0, device=device,

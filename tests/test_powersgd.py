@@ -372,8 +372,8 @@ def flat_bucket(entries, layers=1, pad=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("rank", [1, 4])
 def test_in_place_finish_equals_the_textbook_products(rank):
-    """finish() computes the residual in the gradient buffer (``M -= P^ Q_iᵀ``), selects it
-    into E and writes ``P^ Qᵀ`` over it: the textbook products to fp32 rounding, over two
+    """middle() computes the residual in the gradient buffer (``M -= P^ Q_iᵀ``) and selects
+    it into E, finish() writes ``P^ Qᵀ`` over it: the textbook products to fp32 rounding, over two
     steps (the second on residuals and warm starts of the first), with the gradients as
     views of one flat buffer (one strided run per shape) and as separate tensors alike
     (to rounding: a batched product may round unlike k single ones)."""
@@ -396,19 +396,22 @@ def test_in_place_finish_equals_the_textbook_products(rank):
                    for key, g in c.groups.items()} for c in comps]
         firsts = [c.start(g) for c, g in zip(comps, grads)]
         assert all(len(g.runs) == 1 for c in comps for g in c.groups.values())
+        # M = G + E, in the buffer until the middle takes the residual there
+        held = [{key: torch.stack([gs[i] for i in g.indices]) for key, g in c.groups.items()}
+                for c, gs in zip(comps, grads)]
         reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
         qs = [c.middle(step, [b.clone() for b in reduced]) for c, (_, step) in zip(comps, firsts)]
         (reduced_q,) = [sum(parts) for parts in zip(*qs)]
         expected = []
-        for c, (_, step), gs in zip(comps, firsts, grads):
+        for c, (_, step), m_held in zip(comps, firsts, held):
             off, want = 0, {}
             for key, g in c.groups.items():
                 k, m = len(g.indices), g.m
                 q = reduced_q[off:off + k * m * rank].view(k, m, rank)
                 off += k * m * rank
-                held = torch.stack([gs[i] for i in g.indices])  # M = G + E, in the buffer
                 want[key] = (torch.bmm(step.p_hat[key], q.transpose(1, 2)),
-                             held - torch.bmm(step.p_hat[key], step.q_sent[key].transpose(1, 2)))
+                             m_held[key] - torch.bmm(step.p_hat[key],
+                                                     step.q_sent[key].transpose(1, 2)))
             expected.append(want)
         for c, (_, step), gs, want in zip(comps, firsts, grads, expected):
             c.finish(step, [reduced_q.clone()])

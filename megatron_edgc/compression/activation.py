@@ -88,8 +88,7 @@ class ActivationGradSender:
         p = self._ef.project(g, views, g.q, transposed=False)
         bad = torch.isfinite(p).all().logical_not().view(1)
         p_hat = orthonormalize(p)
-        q = self._ef.project(g, views, p_hat, transposed=True)
-        self._ef.finish(g, views, bad, (p_hat, q), None)   # E = M - P^ Qᵀ where finite
+        q, _, _ = self._ef.project_and_take(g, views, p_hat, True, bad, torch.float32)
         self._ef.commit(bad)
         self.q = torch.where(bad, self.q, q[0])
         nan = float("nan")

@@ -8,7 +8,7 @@ error-feedback round trip measured 1.3–1.6× fp32's on an AMD EPYC, the whole 
 step 1.75× on an Intel Xeon, BENCHMARKS.md "The error feedback's dtype per device"), it
 costs time every step and saves only host memory, which a host has. So ``auto`` times the
 round trip the step does on the residual — ``M = G + E`` formed, ``E = M − A Bᵀ`` kept
-(:class:`~megatron_edgc.compression.kernels.ErrorFeedback` ``form`` and ``finish``) — on
+(:class:`~megatron_edgc.compression.kernels.ErrorFeedback` ``form`` and ``take``) — on
 the model's largest matrices, in both dtypes, and keeps bf16 where it costs at most
 :data:`BF16_MAX_COST` of fp32's for the device's kind: on a GPU, whose memory the state
 competes for, up to 2× (the H200's bf16 step cost 2.4 ms more of a 3.4 s iteration at
@@ -60,7 +60,7 @@ def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
         else:
             t0 = time.perf_counter()
         ef.form(group, views)
-        ef.finish(group, views, keep, sent, None)
+        ef.take(group, views, keep, sent)
         if cuda:
             end.record()
             end.synchronize()

@@ -64,6 +64,7 @@ class Step:
     #: rank: P^ is computed alike everywhere from the same sum)
     factor_failure: Optional[torch.Tensor] = None
     dense: list = field(default_factory=list)    # the dense rest, flat (the slow hop)
+    energy: dict = field(default_factory=dict)   # group key -> Σ‖M‖² (the spectrum's)
 
     def flags(self) -> torch.Tensor:
         """float ``[2]`` on the device, after the step: whether it was left non-finite (1:
@@ -91,6 +92,25 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device is None or torch.device(device).type != "cuda":
         return host if device is None else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+#: the host's reusable fp32 workspace per device (see :func:`scratch`)
+_HOST_SCRATCH: dict = {}
+
+
+def scratch(numel: int, device: torch.device) -> torch.Tensor:
+    """An fp32 ``[numel]`` workspace whose contents are the caller's until its next call.
+    On a GPU a new tensor: the caching allocator hands back the block freed by the last
+    slice, on the right stream. On the host one buffer per device, kept: glibc returns a
+    large freed block to the kernel, so each new slice would fault its pages in again
+    (a 64 MiB cast cost 12x the cast into a kept buffer on an AMD EPYC). A step runs on
+    one host thread, so one buffer serves every compressor of the process."""
+    if device.type == "cuda":
+        return torch.empty(numel, device=device)
+    buf = _HOST_SCRATCH.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = _HOST_SCRATCH[device] = torch.empty(numel, device=device)
+    return buf[:numel]
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -206,11 +226,12 @@ class ErrorFeedback:
     """Error feedback in the gradient buffer, and the products and the end of a step that
     read ``M`` through it.
 
-    fp32 gradient runs hold ``M = G + E`` from :meth:`form` to :meth:`finish`. Runs in
-    another dtype (bf16 buffers, ``--grad-reduce-in-bf16``) keep ``G``; :meth:`blocks`
-    forms ``M = float(G) + E`` per slice within half of ``workspace_bytes``, so products
-    and residual are the fp32 ones and only the result written back is rounded. A
-    residual in another dtype than fp32 (``ef_dtype``) is cast per slice likewise.
+    fp32 gradient runs hold ``M = G + E`` from :meth:`form` to :meth:`project_and_take`,
+    then the residual until :meth:`write_result`. Runs in another dtype (bf16 and fp16
+    buffers) keep ``G``; :meth:`blocks` forms ``M = float(G) + E`` per slice in the kept
+    workspace (:func:`scratch`), once per product — twice a step — so products and
+    residual are the fp32 ones and only the result written back is rounded. A residual in
+    another dtype than fp32 (``ef_dtype``) is cast per slice likewise.
     """
 
     def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):
@@ -296,16 +317,16 @@ class ErrorFeedback:
     def blocks(self, g: ShapeGroup, views: list, alpha: float = 1.0):
         """``(a, b, M, target)``: ``M`` ([b - a, n, m], fp32) of matrices ``a..b``; an fp32
         run holds ``M`` itself (``target`` None), another dtype gives ``M = float(G) + E``
-        per slice and ``target``, the slice that takes the result. Each phase forms it
-        again instead of holding a copy of the gradients."""
+        per slice (in :func:`scratch`, valid until the next block) and ``target``, its
+        slice of the gradients. Each product forms it again instead of holding a copy of
+        the gradients."""
         for lo, hi, view in views:
             if view.dtype == torch.float32:
                 yield lo, hi, view, None
                 continue
-            # two slices of M live at once (the caller holds one while the next forms)
             for a, b in self.slices(lo, hi, g, 4 + self.temporaries(view.device)):
                 target = view[a - lo:b - lo]
-                m = target.float()
+                m = scratch(target.numel(), view.device).view(target.shape).copy_(target)
                 self.add_residual(m, g.residual[a:b], alpha)
                 yield a, b, m, target
 
@@ -319,33 +340,68 @@ class ErrorFeedback:
             torch.bmm(m.transpose(1, 2) if transposed else m, basis[a:b], out=out[a:b])
         return out
 
-    def finish(self, g: ShapeGroup, views: list, bad: torch.Tensor, sent: tuple,
-               result: Optional[tuple], energy: bool = False) -> Optional[torch.Tensor]:
-        """The end of a step per run, in the gradient buffer (which holds ``M``):
-        ``M -= A Bᵀ`` with ``(A, B) = sent`` (the new residual), selected into ``E`` where
-        ``bad`` is not set, then ``C Dᵀ`` with ``(C, D) = result`` written over it (in the
-        gradients' dtype; ``result=None`` leaves it). ``energy``: returns ``Σ‖M‖²`` (float64,
-        read before ``M`` becomes the residual)."""
+    def project_and_take(self, g: ShapeGroup, views: list, basis: torch.Tensor,
+                         transposed: bool, bad: torch.Tensor, factor_dtype: torch.dtype,
+                         energy: bool = False) -> tuple:
+        """The second product and the residual in one pass over ``M``: per block the local
+        factor ``L`` (``Mᵀ B``, ``[k, m, r]``, where ``transposed``; else ``M B``), ``L``
+        rounded to ``factor_dtype`` as it goes on the wire, then the residual against the
+        rounded factor (``E = M - B Lᵀ``, or ``M - L Bᵀ``; :meth:`take`). ``M`` is read for
+        the last time here: a low-precision buffer forms it twice per step, not three
+        times, and its end (:meth:`write_result`) forms it no more.
+
+        Returns ``(L, L as sent (fp32, rounded), Σ‖M‖²)`` (the energy in float64, read
+        before ``M`` becomes the residual; None without ``energy``)."""
+        rows = g.m if transposed else g.n
+        local = torch.empty(len(g.indices), rows, basis.shape[2], device=basis.device)
+        sent = local if factor_dtype == torch.float32 else torch.empty_like(local)
         total = None
-        for lo, hi, m, target in self.blocks(g, views):
+        for a, b, m, target in self.blocks(g, views):
             if energy:
                 part = torch.linalg.vector_norm(m).double() ** 2
                 total = part if total is None else total + part
-            m.baddbmm_(sent[0][lo:hi], sent[1][lo:hi].transpose(1, 2), alpha=-1)
-            temps = self.temporaries(m.device) if target is None else 0
-            for a, b in self.slices(lo, hi, g, temps):
-                if self.ef_dtype == torch.float32:
-                    torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
-                else:   # M, about to be overwritten, takes the selection: no fp32 copy
-                    new = m[a - lo:b - lo]
-                    torch.where(bad, g.residual[a:b], new, out=new)
-                    g.residual[a:b].copy_(new)
-            if result is None:
+            torch.bmm(m.transpose(1, 2) if transposed else m, basis[a:b], out=local[a:b])
+            if sent is not local:
+                sent[a:b].copy_(local[a:b].to(factor_dtype))
+            outer = (basis[a:b], sent[a:b]) if transposed else (sent[a:b], basis[a:b])
+            self._take_block(g, a, b, m, target, bad, outer)
+        return local, sent, total
+
+    def take(self, g: ShapeGroup, views: list, bad: torch.Tensor, sent: tuple) -> None:
+        """``E = M - A Bᵀ`` (``(A, B) = sent``) where ``bad`` is not set; ``E`` kept bit for
+        bit where it is."""
+        for a, b, m, target in self.blocks(g, views):
+            self._take_block(g, a, b, m, target, bad, (sent[0][a:b], sent[1][a:b]))
+
+    def _take_block(self, g: ShapeGroup, lo: int, hi: int, m: torch.Tensor, target,
+                    bad: torch.Tensor, outer: tuple) -> None:
+        """``M -= A Bᵀ`` in the block's ``M`` (an fp32 buffer's run: the gradients then
+        hold the residual until :meth:`write_result`), selected into ``E[lo:hi]``."""
+        m.baddbmm_(outer[0], outer[1].transpose(1, 2), alpha=-1)
+        temps = self.temporaries(m.device) if target is None else 0
+        for a, b in self.slices(lo, hi, g, temps):
+            if self.ef_dtype == torch.float32:
+                torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
+            else:   # M, no longer needed, takes the selection: no fp32 copy
+                new = m[a - lo:b - lo]
+                torch.where(bad, g.residual[a:b], new, out=new)
+                g.residual[a:b].copy_(new)
+
+    def write_result(self, g: ShapeGroup, views: list, result: tuple) -> None:
+        """``C Dᵀ`` (``(C, D) = result``) written over the group's gradients: in place in an
+        fp32 run, through fp32 slices of the workspace into another dtype (its one
+        rounding). ``M`` is not formed: the residual was taken in
+        :meth:`project_and_take`."""
+        c, d = result
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                view.baddbmm_(c[lo:hi], d[lo:hi].transpose(1, 2), beta=0)
                 continue
-            m.baddbmm_(result[0][lo:hi], result[1][lo:hi].transpose(1, 2), beta=0)
-            if target is not None:  # the one rounding of a low-precision buffer
-                target.copy_(m)
-        return total
+            for a, b in self.slices(lo, hi, g, 4):
+                target = view[a - lo:b - lo]
+                out = scratch(target.numel(), view.device).view(target.shape)
+                out.baddbmm_(c[a:b], d[a:b].transpose(1, 2), beta=0)
+                target.copy_(out)
 
 
 def resized_warm_start(q: torch.Tensor, rank: int, seeded) -> torch.Tensor:

@@ -15,8 +15,10 @@ One step for a bucket, on every DP rank ``i``::
                                         and a non-finite flag
     P^   = orth(sum P)                  batched CholeskyQR3 in fp32 (:func:`orthonormalize`)
     Q_i  = M_i^T P^
+    E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i,
+                                        taken in the same pass over M_i (where the first
+                                        SUM's flag is clear); the buffer now holds it
     [Q]  --SUM-->                       one collective: all Q of the bucket
-    E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i
     G_i  = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
     Q    = sum Q                        warm start for the next step
 
@@ -31,9 +33,10 @@ allocates is the factors (``P``, ``P^``, ``Q``: ``k (n + m) r`` each), the colle
 buffers and ``[k, r, r]`` Gram matrices (``tests/test_powersgd.py`` measures it).
 
 Gradients in bf16 (``--grad-reduce-in-bf16``) keep ``G`` in their buffer until the end:
-each phase forms ``M = float(G) + E`` in fp32 slices of at most :attr:`workspace_bytes`,
-so the products and the residual are the fp32 ones and only the result written back is
-rounded to bf16. Conservation then holds to that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i``
+the two products form ``M = float(G) + E`` in fp32 slices of a kept workspace of at most
+:attr:`workspace_bytes` (the second takes the residual as it goes; the end writes
+``P^ (sum Q)^T`` without forming ``M``), so the products and the residual are the fp32
+ones and only the result written back is rounded to bf16. Conservation then holds to that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i``
 up to ``|Ĝ - M^| <= 2⁻⁸ |M^|`` element-wise (bf16's unit roundoff; fp32 rounding apart).
 
 With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
@@ -162,53 +165,50 @@ class BucketCompressor(LowRankState):
         return first.pack(p_parts, self._dense_parts(grads), device), step
 
     def middle(self, step: Step, reduced: Sequence[torch.Tensor]) -> list:
-        """After the first SUM: orthonormalize P, ``Q = Mᵀ P^``, the dense rest into its
-        gradients; returns the buffers of the second SUM (``[Q]`` in the factor dtype, or
-        none). Runs whatever the summed flag says (see :meth:`finish`)."""
+        """After the first SUM: orthonormalize P, ``Q = Mᵀ P^``, and the residual
+        ``E = M - P^ Qᵀ`` against ``Q`` as it goes on the wire, selected into ``E`` where
+        the summed flag is clear (:meth:`ErrorFeedback.project_and_take`); the dense rest
+        into its gradients. Returns the buffers of the second SUM (``[Q]`` in the factor
+        dtype, or none). Runs whatever the summed flag says."""
         first, second = self.layouts()
         p_buf, dense, step.nonfinite = first.unpack(reduced)
-        keys = list(self.groups)
         shapes = [(len(g.indices), self._sides(g)[0], self._rank_for(g))
                   for g in self.groups.values()]
         wire, stood_in = [], []
-        for key, p in zip(keys, split_factors(p_buf, shapes)):
-            g = self.groups[key]
+        for (key, g), p in zip(self.groups.items(), split_factors(p_buf, shapes)):
             p_hat = step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
-            q_local = step.q_local[key] = self.ef.project(g, step.views[key], p_hat,
-                                                          transposed=not self.transposed)
-            step.q_sent[key], sent = local_factor(q_local, self.factor_dtype)
+            step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
+                g, step.views[key], p_hat, not self.transposed, step.nonfinite,
+                self.factor_dtype, energy=self.track_spectrum)
+            step.q_sent[key] = sent
+            self._record_sent(g, step.nonfinite,
+                              (sent, p_hat) if self.transposed else (p_hat, sent))
             wire.append(sent.view(-1))
+        self.ef.commit(step.nonfinite)
         step.factor_failure = factor_failure(p_buf[:first.factors], list(step.p_hat.values()),
                                              stood_in)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
     def finish(self, step: Step, reduced: Sequence[torch.Tensor]) -> None:
-        """After the second SUM: the residual, then ``M^ = P^ Qᵀ`` into the gradients
-        (:meth:`ErrorFeedback.finish`: one in-place ``baddbmm`` for the residual, one
-        ``torch.where`` into ``E``, one ``baddbmm`` for the result; no temporary of the
-        gradients' size). Where some rank flagged a non-finite value the summed Q is NaN,
-        so every decompressed gradient is NaN, and ``E`` and the warm start keep their
-        values from before the step, bit for bit; so too where the summed Q is not finite
-        (every rank sees it alike: no collective decides it)."""
+        """After the second SUM: ``M^ = P^ Qᵀ`` written over the gradients
+        (:meth:`ErrorFeedback.write_result`: one ``baddbmm`` per run, no temporary of the
+        gradients' size) and into the warm start. Where some rank flagged a non-finite
+        value, or the summed Q is not finite (every rank sees it alike), the decompressed
+        gradients are NaN and the warm start keeps its value bit for bit; ``E`` kept its
+        own in :meth:`middle` where the first SUM's flag was set, and a step flagged only
+        here is one the optimizer skips (:meth:`after_step` then takes the sent part back,
+        ``E = M``)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
         bad = step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
         shapes = [(len(g.indices), self._sides(g)[1], self._rank_for(g))
                   for g in self.groups.values()]
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
-            p_hat, q_sent = step.p_hat[key], step.q_sent[key]
-            sent, result = ((q_sent, p_hat), (q, p_hat)) if self.transposed else \
-                ((p_hat, q_sent), (p_hat, q))
-            self._finish_group(key, g, step, bad, sent, result)
+            p_hat = step.p_hat[key]
+            self.ef.write_result(g, step.views[key],
+                                 (q, p_hat) if self.transposed else (p_hat, q))
             g.q = torch.where(bad, g.q, q)
-        self.ef.commit(bad)
-
-    def _finish_group(self, key, g: ShapeGroup, step: Step, bad, sent: tuple,
-                      result: tuple) -> None:
-        energy = self.ef.finish(g, step.views[key], bad, sent, result,
-                                energy=self.track_spectrum)
-        self._record_sent(g, bad, sent)
-        if self.track_spectrum:
-            self._add_spectrum(key, energy, step.q_local[key], bad)
-        step.views[key] = None
+            if self.track_spectrum:
+                self._add_spectrum(key, step.energy[key], step.q_local[key], bad)
+            step.views[key] = None

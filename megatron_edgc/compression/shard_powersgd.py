@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, local_factor, split_factors)
+                                               factor_failure, split_factors)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -221,8 +221,10 @@ class ShardCompressor(LowRankState):
     def middle(self, step: Step, gathered: Sequence[torch.Tensor]) -> list:
         """After the all-gather of the summed slices (``gathered``: ``[[L]]``, every
         matrix's ``P``, or nothing): orthonormalize the matrices this rank cuts,
-        ``Q_b' = M_b P^``; returns the buffers to SUM across instances,
-        ``[Q_b'... | dense | flag]``, the flag also set where ``P`` is non-finite."""
+        ``Q_b' = M_b P^`` and the residual ``E_b = M_b - Q_b' P^ᵀ`` against ``Q_b'`` as
+        sent, selected into ``E`` where ``P`` and the shards' flag are finite; returns
+        the buffers to SUM across instances, ``[Q_b'... | dense | flag]``, the flag also
+        set where ``P`` is non-finite."""
         lay = self._layout()
         device = gathered[0].device if gathered else self.device
         p_full = gathered[0].float() if gathered else torch.empty(0, device=device)
@@ -231,40 +233,43 @@ class ShardCompressor(LowRankState):
                 for m, r, index in lay["batches"]]
         p_hat_all = torch.cat(hats) if hats else p_full[:0]
         step.factor_failure = factor_failure(p_full, hats, stood_in)
+        # a non-finite P, or a shard's flag (summed into its slot): every rank of the
+        # instance sees both; the residual is taken where neither is set
+        bad = torch.zeros(1, dtype=torch.bool, device=device)
+        if p_full.numel():
+            bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
+        bad = step.nonfinite = bad.view(1)
         wire = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
             p_hat = step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
-            q_local = step.q_local[key] = self.ef.project(g, step.views[key], p_hat,
-                                                          transposed=False)
-            step.q_sent[key], _ = local_factor(q_local, self.factor_dtype)
-            wire.append(q_local.view(-1))
-        # a non-finite P, or a shard's flag (summed into its slot): every rank sees both
-        p_bad = None
-        if p_full.numel():
-            p_bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
-        return self.second_layout().pack(wire, step.dense, device, also_nonfinite=p_bad)
+            step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
+                g, step.views[key], p_hat, False, bad, self.factor_dtype,
+                energy=self.track_spectrum)
+            step.q_sent[key] = sent
+            self._record_sent(g, bad, (sent, p_hat))
+            wire.append(sent.view(-1))
+        self.ef.commit(bad)
+        return self.second_layout().pack(wire, step.dense, device, also_nonfinite=bad)
 
     def finish(self, step: Step, reduced: Sequence[torch.Tensor]) -> None:
-        """After the SUM of :meth:`middle`'s buffers across instances: the residual
-        ``E_b = M_b - Q_b' P^ᵀ`` selected into ``E``, ``(Σ_t Q_b') P^ᵀ`` into the
-        gradients and into the warm start, the dense rest into its gradients. Where the
-        flag is set the gradients are NaN and ``E``, ``Q_b`` keep their values."""
+        """After the SUM of :meth:`middle`'s buffers across instances: ``(Σ_t Q_b') P^ᵀ``
+        into the gradients and into the warm start, the dense rest into its gradients
+        (the residual ``E_b = M_b - Q_b' P^ᵀ`` was taken in :meth:`middle`). Where the
+        flag is set the gradients are NaN and ``Q_b`` keeps its value; ``E`` kept its own
+        where this instance's flag was set, and a step flagged by another instance only
+        is one the optimizer skips (:meth:`after_step`: ``E = M``)."""
         q_buf, dense, bad = self.second_layout().unpack(reduced)
         step.nonfinite = bad
         shapes = [(len(g.indices), g.n, self._rank_for(g)) for g in self.groups.values()]
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
-            p_hat = step.p_hat[key]
-            # the spectrum: column j of Q_b' = M_b p^_j, its energy summed over the blocks
-            # is the instance's ‖M_t p^_j‖²
-            energy = self.ef.finish(g, step.views[key], bad, (step.q_sent[key], p_hat),
-                                    (q, p_hat), energy=self.track_spectrum)
-            self._record_sent(g, bad, (step.q_sent[key], p_hat))
+            self.ef.write_result(g, step.views[key], (q, step.p_hat[key]))
             if self.track_spectrum:
-                self._add_spectrum((g.full_n, g.m), energy, step.q_local[key], bad)
+                # column j of Q_b' = M_b p^_j: its energy summed over the blocks is the
+                # instance's ‖M_t p^_j‖²
+                self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
             step.views[key] = None
             g.q = torch.where(bad, g.q, q)
-        self.ef.commit(bad)
         copy_dense_back(step.grads, self.dense_indices, dense)
 
 
