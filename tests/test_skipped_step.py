@@ -243,3 +243,32 @@ def test_the_slow_hop_keeps_what_a_skipped_step_did_not_apply():
                 matrices[pc.start:pc.start + pc.numel] = True
     got = (out1 + cluster.residual_sum())[matrices]
     assert relative(got, total[matrices]) < 1e-5
+
+
+def test_a_step_flagged_only_by_the_second_sum_keeps_what_it_did_not_apply():
+    """Finite gradients everywhere, and the summed ``Q`` not finite (an overflow in the
+    second SUM): the residual was taken in the middle, under the first SUM's clear flag;
+    the gradients come out NaN, the warm start keeps its value bit for bit, and once the
+    optimizer skips the NaN step the residual is ``M`` (the skip rule: nothing lost)."""
+    comps = [BucketCompressor(ENTRIES, 3, seed=0) for _ in range(2)]
+    simulated_step(comps, true_grads(1))
+    for c in comps:
+        c.after_step(applied=True)
+    grads = true_grads(2)
+    m = [[g + residual_of(c, i) for i, g in enumerate(gs)] for c, gs in zip(comps, grads)]
+    q_before = [[g.q.clone() for g in c.groups.values()] for c in comps]
+    firsts = [c.start(g) for c, g in zip(comps, grads)]
+    reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
+    qs = [c.middle(step, [b.clone() for b in reduced]) for c, (_, step) in zip(comps, firsts)]
+    (reduced_q,) = [sum(parts) for parts in zip(*qs)]
+    reduced_q[5] = float("inf")
+    for c, (_, step) in zip(comps, firsts):
+        c.finish(step, [reduced_q.clone()])
+        assert bool(step.nonfinite)
+    for c, gs, qb, mi in zip(comps, grads, q_before, m):
+        assert all(torch.isnan(gs[i]).all() for g in c.groups.values() for i in g.indices)
+        assert all(torch.equal(g.q, q) for g, q in zip(c.groups.values(), qb))
+        c.after_step(applied=False)
+        for g in c.groups.values():
+            want = torch.stack([mi[i] for i in g.indices])
+            assert relative(g.residual, want) < 1e-6
