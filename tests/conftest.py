@@ -39,6 +39,8 @@ def small_model_argv(corpus_data):
         "--train-iters", "20", "--lr", "5e-3", "--min-lr", "5e-4", "--lr-warmup-iters", "2",
         "--eval-interval", "10", "--eval-iters", "2", "--log-interval", "1",
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-        # Byte-exact assertions: no timing-dependent bypass unless a test asks for it.
-        "--edgc-bypass", "off",
+        # Byte-exact assertions: no timing-dependent bypass unless a test asks for it, and
+        # every dense sync megatron-core's own in the buffers' dtype (the default bf16
+        # dense wire has its tests, which pass --edgc-dense-wire themselves).
+        "--edgc-bypass", "off", "--edgc-dense-wire", "grad",
     ]

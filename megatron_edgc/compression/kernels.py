@@ -86,6 +86,17 @@ def factor_failure(p: torch.Tensor, p_hats: Sequence[torch.Tensor],
     return (torch.isfinite(p).all().float() * torch.stack(bad).sum()).view(1)
 
 
+def taking_bad(nonfinite: torch.Tensor, p_hats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """bool ``[1]``, on the device: where a step's residuals are not taken (``E`` kept bit
+    for bit): the first SUM flagged a non-finite value, or an orthonormal basis came out
+    non-finite (from finite gradients: a failed factorization; the summed ``Q`` is then
+    NaN too, and the step is left non-finite)."""
+    finite = [torch.isfinite(h).all() for h in p_hats]
+    if not finite:
+        return nonfinite
+    return nonfinite | torch.stack(finite).all().logical_not().view(1)
+
+
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on ``device``: pinned and non-blocking to a GPU (the copy does not
     wait for the host)."""

@@ -75,7 +75,7 @@ import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout,  # noqa: F401
                                                copy_dense_back, factor_failure, local_factor,
-                                               split_factors)
+                                               split_factors, taking_bad)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import (FACTOR_DTYPES, FLOAT_BYTES,  # noqa: F401
                                                 is_compressible, matrix_shape, run_view,
@@ -174,19 +174,22 @@ class BucketCompressor(LowRankState):
         p_buf, dense, step.nonfinite = first.unpack(reduced)
         shapes = [(len(g.indices), self._sides(g)[0], self._rank_for(g))
                   for g in self.groups.values()]
-        wire, stood_in = [], []
-        for (key, g), p in zip(self.groups.items(), split_factors(p_buf, shapes)):
-            p_hat = step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
+        stood_in: list = []
+        for key, p in zip(self.groups, split_factors(p_buf, shapes)):
+            step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
+        hats = list(step.p_hat.values())
+        step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
+        bad = taking_bad(step.nonfinite, hats)
+        wire = []
+        for key, g in self.groups.items():
+            p_hat = step.p_hat[key]
             step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
-                g, step.views[key], p_hat, not self.transposed, step.nonfinite,
-                self.factor_dtype, energy=self.track_spectrum)
+                g, step.views[key], p_hat, not self.transposed, bad, self.factor_dtype,
+                energy=self.track_spectrum)
             step.q_sent[key] = sent
-            self._record_sent(g, step.nonfinite,
-                              (sent, p_hat) if self.transposed else (p_hat, sent))
+            self._record_sent(g, bad, (sent, p_hat) if self.transposed else (p_hat, sent))
             wire.append(sent.view(-1))
-        self.ef.commit(step.nonfinite)
-        step.factor_failure = factor_failure(p_buf[:first.factors], list(step.p_hat.values()),
-                                             stood_in)
+        self.ef.commit(bad)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, split_factors)
+                                               factor_failure, split_factors, taking_bad)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -238,7 +238,8 @@ class ShardCompressor(LowRankState):
         bad = torch.zeros(1, dtype=torch.bool, device=device)
         if p_full.numel():
             bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
-        bad = step.nonfinite = bad.view(1)
+        step.nonfinite = bad.view(1)
+        bad = taking_bad(step.nonfinite, hats)
         wire = []
         for key, g in self.groups.items():
             k, r = len(g.indices), self._rank_for(g)
@@ -250,7 +251,8 @@ class ShardCompressor(LowRankState):
             self._record_sent(g, bad, (sent, p_hat))
             wire.append(sent.view(-1))
         self.ef.commit(bad)
-        return self.second_layout().pack(wire, step.dense, device, also_nonfinite=bad)
+        return self.second_layout().pack(wire, step.dense, device,
+                                         also_nonfinite=step.nonfinite)
 
     def finish(self, step: Step, reduced: Sequence[torch.Tensor]) -> None:
         """After the SUM of :meth:`middle`'s buffers across instances: ``(Σ_t Q_b') P^ᵀ``

@@ -74,14 +74,16 @@ class EdgcConfig:
                                  "checkpointed with it",
                          choices=("auto", "fp32", "bf16"),
                          group="method")
-    dense_wire: str = knob("grad", "dtype on the wire of every dense sync of a compressed "
+    dense_wire: str = knob("bf16", "dtype on the wire of every dense sync of a compressed "
                                    "run (the warm-up, the bypass, the uncompressed rest of a "
-                                   "compressed bucket): grad: the gradient buffer's (bf16 "
-                                   "with --grad-reduce-in-bf16); bf16: bf16 on fp32 buffers "
-                                   "too, half the bytes, its rounding not fed back (torch's "
-                                   "bf16_compress_hook); with bf16 factors the rest then "
-                                   "joins P's collective", choices=("grad", "bf16"),
-                           group="method")
+                                   "compressed bucket): bf16: bf16 on fp32 buffers, half the "
+                                   "bytes, its rounding not fed back (torch's "
+                                   "bf16_compress_hook), and with bf16 factors the rest "
+                                   "joins P's collective; 16-bit buffers keep their own; "
+                                   "grad: the gradient buffer's dtype (megatron-core's own "
+                                   "sync, bit for bit, until compression starts); "
+                                   "--edgc-mode off always syncs as megatron-core does",
+                           choices=("grad", "bf16"), group="method")
     pp_compression: str = knob("off", "pipeline backward sends: off: dense; static: "
                                       "rank --edgc-pp-rank; edgc: rank chosen by its own "
                                       "entropy controller (needs --edgc-mode edgc)",

@@ -60,8 +60,14 @@ __all__ = ["DPGradientCompression", "DPSyncStats", "megatron_sync_bytes", "reduc
 
 logger = logging.getLogger(__name__)
 
-#: ``--edgc-dense-wire``: the dtype a dense sync puts on the wire ("grad": the buffer's).
-DENSE_WIRE_DTYPES = {"bf16": torch.bfloat16}
+def dense_wire_dtype(dense_wire: str, buffer_dtype: torch.dtype) -> torch.dtype:
+    """``--edgc-dense-wire``: the dtype a dense sync puts on the wire: bf16 in place of
+    fp32 ("bf16", the default); the buffer's own otherwise (never a wider one, nor fp16
+    traded for bf16's shorter mantissa)."""
+    if dense_wire == "bf16" and buffer_dtype == torch.float32:
+        return torch.bfloat16
+    return buffer_dtype
+
 
 
 class _PendingSync:
@@ -131,7 +137,7 @@ class DPGradientCompression:
                 for bi, bucket in enumerate(group.buckets):
                     require_attributes(bucket, BUCKET_ATTRIBUTES, "_ParamAndGradBucket")
                     key = f"chunk{ci}.group{gi}.bucket{bi}"
-                    dense_dtype = DENSE_WIRE_DTYPES.get(dense_wire, bucket.grad_data.dtype)
+                    dense_dtype = dense_wire_dtype(dense_wire, bucket.grad_data.dtype)
                     plans.append(BucketPlan.build(
                         key, bucket, reduction, bucket_matrices(bucket, names, stacked),
                         [(names[p], p) for p in bucket.params_list], rank or 1,
