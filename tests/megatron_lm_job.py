@@ -34,11 +34,13 @@ ARGS = MODEL + [
     "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--rerun-mode", "disabled",
     "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
     "--ckpt-format", "torch"]
-#: EDGC on DP and PP, windows of 2 iterations (an 8-iteration job decides 3 times).
+#: EDGC on DP and PP, windows of 2 iterations (an 8-iteration job decides 3 times); the
+#: warm-up megatron-core's own sync (its losses equal unmodified Megatron-LM's, bitwise).
 EDGC = ["--edgc-mode", "edgc", "--edgc-window", "2", "--edgc-warmup-max-iters", "2",
         "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
         "--edgc-iter-sample-rate", "1.0", "--edgc-bypass", "off", "--edgc-dac", "off",
-        "--edgc-pp-compression", "edgc", "--edgc-pp-rank-max", "16"]
+        "--edgc-dense-wire", "grad", "--edgc-pp-compression", "edgc",
+        "--edgc-pp-rank-max", "16"]
 #: EDGC on the DP sync only (no pipeline to compress on a PP 1 layout).
 EDGC_DP = EDGC[:EDGC.index("--edgc-pp-compression")]
 #: Megatron-LM's default format as large jobs run it: distributed optimizer, bf16, async.

@@ -650,7 +650,7 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 FALLBACK = ["--edgc-mode", "static", "--edgc-rank", "4", "--edgc-bypass", "off",
-            "--edgc-fallback-iters", "2"]
+            "--edgc-fallback-iters", "2", "--edgc-dense-wire", "grad"]
 
 
 def run_injected(megatron_lm, tmp_path, template: str, variables: dict, extra, name):
