@@ -44,8 +44,8 @@ from bench.slow_links import CONFIGS, PURE_DP  # noqa: E402
 from bench.roofline import PHASES, measure_peaks  # noqa: E402
 from bench.step_before import BeforeBucketCompressor  # noqa: E402
 from bench.step_phases import compare  # noqa: E402
-from megatron_edgc.compression.powersgd import (BucketCompressor, is_compressible,  # noqa: E402
-                                                matrix_shape)
+from megatron_edgc.compression.matrices import is_compressible, matrix_shape  # noqa: E402
+from megatron_edgc.compression.powersgd import BucketCompressor  # noqa: E402
 from megatron_edgc.config import parse_config  # noqa: E402
 from megatron_edgc.model_shapes import stage_param_shapes  # noqa: E402
 

@@ -59,8 +59,9 @@ from bench.model import CLUSTERS, shard_matrices  # noqa: E402
 from bench.roofline import PHASES, measure_peaks  # noqa: E402
 from bench.step_phases import Timer as StepTimer  # noqa: E402
 from bench.step_phases import compare, time_method  # noqa: E402
-from megatron_edgc.compression.powersgd import (FACTOR_DTYPES, BucketCompressor,  # noqa: E402
-                                                orthonormalize)
+from megatron_edgc.compression.matrices import FACTOR_DTYPES  # noqa: E402
+from megatron_edgc.compression.orthonormal import orthonormalize  # noqa: E402
+from megatron_edgc.compression.powersgd import BucketCompressor  # noqa: E402
 from megatron_edgc.control.entropy import GradientSampler, estimate_entropy  # noqa: E402
 
 VOCAB = 50304

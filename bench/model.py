@@ -38,7 +38,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_edgc.compression.powersgd import is_compressible  # noqa: E402
+from megatron_edgc.compression.matrices import is_compressible  # noqa: E402
 
 PAPER = {"comm_reduction": 0.4645, "time_reduction": 0.1613}
 #: Today's step measured on the H200 lent on 2026-11-26 (issue 50; the H100's of

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_edgc.compression.powersgd import BucketCompressor, split_factors
+from megatron_edgc.compression.kernels import split_factors
+from megatron_edgc.compression.powersgd import BucketCompressor
 
 
 def householder_orthonormalize(p: torch.Tensor, stood_in=None) -> torch.Tensor:

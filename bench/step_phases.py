@@ -20,7 +20,8 @@ import torch
 from bench.roofline import floor_ms, step_floor
 from bench.orthonormal_before import fp32_gram_orthonormalize
 from bench.step_before import BeforeBucketCompressor, householder_orthonormalize
-from megatron_edgc.compression.powersgd import BucketCompressor, orthonormalize
+from megatron_edgc.compression.orthonormal import orthonormalize
+from megatron_edgc.compression.powersgd import BucketCompressor
 
 
 class Fp32GramBucketCompressor(BucketCompressor):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from megatron_edgc.compression.matrices import is_compressible, matrix_shape
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

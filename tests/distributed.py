@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from megatron_edgc.compression.matrices import is_compressible, matrix_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

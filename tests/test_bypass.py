@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatron_edgc.compression.bypass import LinkModel, compressed_sync_s
-from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
+from megatron_edgc.compression.matrices import FLOAT_BYTES
+from megatron_edgc.compression.powersgd import BucketCompressor
 from test_host_sync import one_process_group  # noqa: F401 (a fixture)
 
 

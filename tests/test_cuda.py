@@ -213,7 +213,7 @@ def test_orthonormalize_bound_and_strided_step_on_device():
     with no host sync (CUDA's sync debug mode raises on one)."""
     from test_powersgd import _orthogonality_cases, flat_bucket
 
-    from megatron_edgc.compression.powersgd import ORTHOGONALITY_BOUND, orthonormalize
+    from megatron_edgc.compression.orthonormal import ORTHOGONALITY_BOUND, orthonormalize
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it

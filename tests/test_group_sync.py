@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from distributed import compressed_bucket_bytes, slow_hop_shard_bytes
-from megatron_edgc.compression.powersgd import is_compressible, matrix_shape
+from megatron_edgc.compression.matrices import is_compressible, matrix_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOW_RANK = 4

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from megatron_edgc.compression.powersgd import FLOAT_BYTES, BucketCompressor
+from megatron_edgc.compression.matrices import FLOAT_BYTES
+from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.control.controller import ControllerSettings
 from megatron_edgc.control.rank_allocation import (BudgetRankController, adam_weights,
                                                    allocate_ranks, captured_curve, max_rank_of)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from megatron_edgc.compression.powersgd import matrix_shape
+from megatron_edgc.compression.matrices import matrix_shape
 from megatron_edgc.compression.shard import shard_pieces
 
 

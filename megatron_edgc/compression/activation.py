@@ -106,12 +106,3 @@ class ActivationGradSender:
 def decompress(p_hat: torch.Tensor, q: torch.Tensor, shape, dtype) -> torch.Tensor:
     """Receiver side: ``P^ Qᵀ`` in the activation gradient's shape and dtype."""
     return (p_hat @ q.T).view(shape).to(dtype)
-
-
-def compressed_numel(shape, rank: int) -> int:
-    m = shape[-1]
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    r = min(rank, n, m)
-    return (n + m) * r

@@ -8,11 +8,11 @@ A step has the same pieces whichever side the shared factor is on:
 * the products ``M B`` or ``Mᵀ B`` over the strided runs of a shape group
   (:meth:`ErrorFeedback.project`, ``transposed`` says which);
 * the orthonormalization (:func:`~megatron_edgc.compression.orthonormal.orthonormalize`);
-* the local factor as it goes on the wire, with its rounding to the factor dtype
-  (:func:`local_factor`);
+* the second product, the local factor rounded as it goes on the wire, and the residual
+  taken against it, in one pass (:meth:`ErrorFeedback.project_and_take`);
 * the packing of a phase's buffers and the split of the summed ones (:class:`WireLayout`,
   whose :meth:`~WireLayout.bytes` are the byte counts: one object packs and counts);
-* the residual and the decompression written over ``M`` (:meth:`ErrorFeedback.finish`);
+* the decompression written over the gradients (:meth:`ErrorFeedback.write_result`);
 * the dense rest copied back (:func:`copy_dense_back`).
 
 The flat bucket compresses ``M ≈ P^ Qᵀ`` with ``P = M Q`` (the rows' side); a shard of
@@ -210,16 +210,6 @@ def split_factors(buf: torch.Tensor, shapes: Sequence[tuple],
         out.append(x if bad is None else x.masked_fill(bad, float("nan")))
     assert offset == buf.numel()
     return out
-
-
-def local_factor(q_local: torch.Tensor, factor_dtype: torch.dtype) -> tuple:
-    """``(as sent, in fp32; on the wire)`` of this rank's local factor: the residual is
-    taken against the rounded factor the rank actually sent, so its own rounding to the
-    factor dtype is fed back."""
-    if factor_dtype == torch.float32:
-        return q_local, q_local
-    wire = q_local.to(factor_dtype)
-    return wire.float(), wire
 
 
 def copy_dense_back(grads: Sequence[torch.Tensor], dense_indices: Sequence[int],

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, Step, dtype_bytes,
-                                               resized_warm_start, to_device)
+                                               resized_warm_start, split_factors, to_device)
 from megatron_edgc.compression.matrices import is_compressible
 
 
@@ -188,10 +188,6 @@ class LowRankState:
         first, second = self.phase_bytes()
         return sum(first), sum(second)
 
-    def compressed_numel(self) -> int:
-        """Elements of the two collectives together."""
-        return sum(self.collective_numels())
-
     def state_bytes(self) -> int:
         """What stays between steps: residuals (``ef_dtype``) and warm-start Q (fp32)."""
         ef = dtype_bytes(self.ef_dtype)
@@ -229,6 +225,38 @@ class LowRankState:
         self.residual_clear = False
         self.ef.begin(self.loss_scale)
         return Step(grads=list(grads))
+
+    def _take_residuals(self, step: Step, bad: torch.Tensor, basis_rows: bool) -> list:
+        """Every group's second product and residual, in one pass over its ``M``
+        (:meth:`ErrorFeedback.project_and_take`; ``basis_rows``: the basis ``P^`` is on the
+        rows' side, the product ``Mᵀ P^``), ``E`` kept where ``bad``; the residuals' units
+        committed. Returns the local factors as sent, flat, for the wire."""
+        wire = []
+        for key, g in self.groups.items():
+            p_hat = step.p_hat[key]
+            step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
+                g, step.views[key], p_hat, basis_rows, bad, self.factor_dtype,
+                energy=self.track_spectrum)
+            step.q_sent[key] = sent
+            self._record_sent(g, bad, (p_hat, sent) if basis_rows else (sent, p_hat))
+            wire.append(sent.view(-1))
+        self.ef.commit(bad)
+        return wire
+
+    def _write_results(self, step: Step, q_buf: torch.Tensor, bad: torch.Tensor,
+                       basis_rows: bool) -> None:
+        """After the second collective: every group's ``P^ (ΣQ)ᵀ`` (or ``ΣQ P^ᵀ``) written
+        over its gradients and ``ΣQ`` into its warm start (kept where ``bad``: the summed
+        factors are NaN there), the measured spectrum added."""
+        shapes = [(len(g.indices), g.m if basis_rows else g.n, self._rank_for(g))
+                  for g in self.groups.values()]
+        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
+            p_hat = step.p_hat[key]
+            self.ef.write_result(g, step.views[key], (p_hat, q) if basis_rows else (q, p_hat))
+            g.q = torch.where(bad, g.q, q)
+            if self.track_spectrum:
+                self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
+            step.views[key] = None
 
     def _record_sent(self, g: ShapeGroup, bad: torch.Tensor, sent: tuple) -> None:
         """Keep the factors a group's residual was taken against (``E = M - A Bᵀ``) until

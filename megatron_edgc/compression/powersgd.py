@@ -73,18 +73,11 @@ from typing import Sequence
 
 import torch
 
-from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout,  # noqa: F401
-                                               copy_dense_back, factor_failure, local_factor,
-                                               split_factors, taking_bad)
+from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
+                                               factor_failure, split_factors, taking_bad)
 from megatron_edgc.compression.low_rank_state import LowRankState
-from megatron_edgc.compression.matrices import (FACTOR_DTYPES, FLOAT_BYTES,  # noqa: F401
-                                                is_compressible, matrix_shape, run_view,
-                                                seeded_gaussian, strided_runs)
-from megatron_edgc.compression.orthonormal import (GRAM_SHIFT,  # noqa: F401
-                                                   ORTHOGONALITY_BOUND, fixed_basis,
-                                                   orthonormalize)
-
-_Step = Step  # the name bench/step_before.py knows
+from megatron_edgc.compression.matrices import seeded_gaussian
+from megatron_edgc.compression.orthonormal import orthonormalize
 
 
 class BucketCompressor(LowRankState):
@@ -179,17 +172,7 @@ class BucketCompressor(LowRankState):
             step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
         hats = list(step.p_hat.values())
         step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
-        bad = taking_bad(step.nonfinite, hats)
-        wire = []
-        for key, g in self.groups.items():
-            p_hat = step.p_hat[key]
-            step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
-                g, step.views[key], p_hat, not self.transposed, bad, self.factor_dtype,
-                energy=self.track_spectrum)
-            step.q_sent[key] = sent
-            self._record_sent(g, bad, (sent, p_hat) if self.transposed else (p_hat, sent))
-            wire.append(sent.view(-1))
-        self.ef.commit(bad)
+        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), not self.transposed)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
@@ -204,14 +187,5 @@ class BucketCompressor(LowRankState):
         ``E = M``)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
-        bad = step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
-        shapes = [(len(g.indices), self._sides(g)[1], self._rank_for(g))
-                  for g in self.groups.values()]
-        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
-            p_hat = step.p_hat[key]
-            self.ef.write_result(g, step.views[key],
-                                 (q, p_hat) if self.transposed else (p_hat, q))
-            g.q = torch.where(bad, g.q, q)
-            if self.track_spectrum:
-                self._add_spectrum(key, step.energy[key], step.q_local[key], bad)
-            step.views[key] = None
+        step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
+        self._write_results(step, q_buf, step.nonfinite, not self.transposed)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_edgc.compression.powersgd import matrix_shape
+from megatron_edgc.compression.matrices import matrix_shape
 
 
 @dataclass(frozen=True)

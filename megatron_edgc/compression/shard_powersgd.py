@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, split_factors, taking_bad)
+                                               factor_failure, taking_bad)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -239,18 +239,10 @@ class ShardCompressor(LowRankState):
         if p_full.numel():
             bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
         step.nonfinite = bad.view(1)
-        bad = taking_bad(step.nonfinite, hats)
-        wire = []
         for key, g in self.groups.items():
-            k, r = len(g.indices), self._rank_for(g)
-            p_hat = step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(k, g.m, r)
-            step.q_local[key], sent, step.energy[key] = self.ef.project_and_take(
-                g, step.views[key], p_hat, False, bad, self.factor_dtype,
-                energy=self.track_spectrum)
-            step.q_sent[key] = sent
-            self._record_sent(g, bad, (sent, p_hat))
-            wire.append(sent.view(-1))
-        self.ef.commit(bad)
+            step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(
+                len(g.indices), g.m, self._rank_for(g))
+        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), False)
         return self.second_layout().pack(wire, step.dense, device,
                                          also_nonfinite=step.nonfinite)
 
@@ -261,17 +253,10 @@ class ShardCompressor(LowRankState):
         flag is set the gradients are NaN and ``Q_b`` keeps its value; ``E`` kept its own
         where this instance's flag was set, and a step flagged by another instance only
         is one the optimizer skips (:meth:`after_step`: ``E = M``)."""
-        q_buf, dense, bad = self.second_layout().unpack(reduced)
-        step.nonfinite = bad
-        shapes = [(len(g.indices), g.n, self._rank_for(g)) for g in self.groups.values()]
-        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
-            self.ef.write_result(g, step.views[key], (q, step.p_hat[key]))
-            if self.track_spectrum:
-                # column j of Q_b' = M_b p^_j: its energy summed over the blocks is the
-                # instance's ‖M_t p^_j‖²
-                self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
-            step.views[key] = None
-            g.q = torch.where(bad, g.q, q)
+        q_buf, dense, step.nonfinite = self.second_layout().unpack(reduced)
+        # the spectrum: column j of Q_b' = M_b p^_j, its energy summed over the blocks is
+        # the instance's ‖M_t p^_j‖²
+        self._write_results(step, q_buf, step.nonfinite, False)
         copy_dense_back(step.grads, self.dense_indices, dense)
 
 

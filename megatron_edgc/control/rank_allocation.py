@@ -40,7 +40,7 @@ import copy
 import math
 from typing import Optional, Sequence
 
-from megatron_edgc.compression.powersgd import FLOAT_BYTES, is_compressible
+from megatron_edgc.compression.matrices import FLOAT_BYTES, is_compressible
 from megatron_edgc.control.controller import ControllerSettings, RankController
 
 Shape = tuple  # (n, m)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import p2p_communication
 
 from megatron_edgc.compression.activation import ActivationGradSender, decompress
-from megatron_edgc.compression.powersgd import FLOAT_BYTES  # noqa: F401 (message size unit)
+from megatron_edgc.compression.matrices import FLOAT_BYTES  # noqa: F401 (message size unit)
 from megatron_edgc.patches import features
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.compression.powersgd import matrix_shape
+from megatron_edgc.compression.matrices import matrix_shape
 from megatron_edgc.control.entropy import LAYER_TYPES, moments_from_power_sums
 from megatron_edgc.control.rank_model import RankModel
 

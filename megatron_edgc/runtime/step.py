@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.compression.ef_dtype import choose_ef_dtype
-from megatron_edgc.compression.powersgd import FACTOR_DTYPES
+from megatron_edgc.compression.matrices import FACTOR_DTYPES
 from megatron_edgc.patches.ddp import DPGradientCompression, megatron_sync_bytes
 from megatron_edgc.patches.dp_stats import DPSyncStats
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator, PPSendStats
