@@ -92,7 +92,7 @@ def precision(mode: str) -> str:
 
 def edgc_flags(iters: int, controller: str) -> list:
     """The paper's defaults scaled: the config's windows for the 200-iteration loss run,
-    the dense warm-up bounded at 10 % of the run (``--edgc-warmup-max-fraction``'s
+    the dense warm-up bounded at 2 % of the run (``--edgc-warmup-max-fraction``'s
     default); for a short timing run, windows of 5 and the bound at a quarter of it."""
     flags = ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "off",
              "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
@@ -152,12 +152,12 @@ def slug(name: str) -> str:
 
 def base_flags(iters: int, seed: int) -> list:
     return ["--config", os.path.join(ROOT, CONFIG), *PURE_DP, "--seed", str(seed),
-            "--eval-interval", str(EVAL_EVERY if iters >= 100 else iters), "--eval-iters", "5",
+            "--eval-interval", str(max(EVAL_EVERY, iters // 20) if iters >= 100 else iters), "--eval-iters", "5",
             "--lr-warmup-iters", str(max(2, iters // 10))]
 
 
-def run_losses(out: str, iters: int, only=None) -> None:
-    for seed in SEEDS:
+def run_losses(out: str, iters: int, only=None, seeds=SEEDS) -> None:
+    for seed in seeds:
         for name, (script, flags) in modes(iters).items():
             if (only and name not in only) or name in LOSS_OF:
                 continue
@@ -427,6 +427,8 @@ def main() -> int:
     p.add_argument("--rates", nargs="+", default=RATES, choices=RATES,
                    help="time on these links only")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timing repetitions")
+    p.add_argument("--seeds", type=int, nargs="+", default=SEEDS,
+                   help="loss curves of these seeds (the report reads every recorded one)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "peers"))
     args = p.parse_args()
@@ -436,7 +438,9 @@ def main() -> int:
         p.error(f"--time-iters: must be >= 10 (got {args.time_iters})")
     if not args.report_only:
         if args.phase in ("all", "loss"):
-            run_losses(args.out, args.loss_iters, args.modes)
+            run_losses(args.out, args.loss_iters, args.modes, args.seeds)
+            if args.phase == "loss":   # curves only: the report needs the timing too
+                return 0
         if args.phase in ("all", "time"):
             run_timing(args.out, args.time_iters, args.modes, args.rates, args.repeats)
     data = collect(args.out, args.loss_iters, args.time_iters)
@@ -452,7 +456,7 @@ def main() -> int:
     body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
             f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
-            f"{args.loss_iters} iterations, seeds {', '.join(map(str, SEEDS))}, an evaluation "
+            f"{args.loss_iters} iterations, seeds {', '.join(map(str, args.seeds))}, an evaluation "
             f"every {EVAL_EVERY}, on loopback. Timing: {args.time_iters} iterations per link "
             f"(tbf-shaped veth per rank), {args.repeats} repetitions; ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "

@@ -277,9 +277,9 @@ def test_warmup_bound_follows_the_run(small_model_argv):
     def bounds(*extra):
         cfg = parse_config(small_model_argv + ["--edgc-mode", "edgc", *extra])
         return cfg.edgc.warmup_bounds(cfg.training.train_iters)
-    assert bounds("--train-iters", "200") == (None, 20)
-    assert bounds("--train-iters", "1001") == (None, 101)
-    assert bounds("--train-iters", "200", "--edgc-controller", "budget") == (20, None)
+    assert bounds("--train-iters", "200") == (None, 4)          # 2 % (issue 64)
+    assert bounds("--train-iters", "1001") == (None, 21)
+    assert bounds("--train-iters", "200", "--edgc-controller", "budget") == (4, None)
     assert bounds("--train-iters", "200", "--edgc-warmup-max-fraction", "0.25") == (None, 50)
     assert bounds("--train-iters", "200", "--edgc-warmup-max-iters", "80") == (80, None)
     assert bounds("--train-iters", "200", "--edgc-warmup-max-fraction", "1") == (None, None)

@@ -123,7 +123,7 @@ class EdgcConfig:
     warmup_max_iters: Optional[int] = knob(None, "end warm-up here at the latest (default: "
                                                  "--edgc-warmup-max-fraction of the run)",
                                            min=1, group="controller")
-    warmup_max_fraction: float = knob(0.1, "without --edgc-warmup-max-iters, the dense "
+    warmup_max_fraction: float = knob(0.02, "without --edgc-warmup-max-iters, the dense "
                                            "warm-up ends at the latest at the first window "
                                            "end from this fraction of --train-iters: "
                                            "compression runs at r_max from there, and the "
