@@ -2,6 +2,11 @@
 """The race's modes priced on a GPT-2 medium H100 cluster: time to the race's target, modeled.
 
     .venv/bin/python bench/cluster_price.py [--peers bench/results/peers]
+    .venv/bin/python bench/cluster_price.py --peers bench/results/peers-2000 --loss-iters 2000
+
+``--loss-iters`` is the length of the recorded loss curves, so the run length priced: the
+warm-up weighs what it weighs in a run of that length (EDGC's is bounded at a fraction of
+the run). Other than the race's 200 it writes a section of its own beside the race's.
 
 **Measured on CPU** (bench/peers.py's race, ``DIR/loss/*_seed*.jsonl`` via ``peers.collect``):
 iterations to ``peers.target_loss`` per mode and seed (linear between evaluations,
@@ -31,7 +36,8 @@ modes as ``--bf16`` with fp32 gradient buffers, Megatron's default). Communicati
 ``bench/model.py:allreduce_s`` (ring, alpha of its H100 cluster), pure DP over 8 and 64 GPUs
 at 10, 25, 100 Gbit/s per GPU; an all-gather of b bytes per rank = half the all-reduce of n·b.
 Bytes (``sync_bytes`` on ``shard_matrices`` + position embedding and final norm): dense, one
-all-reduce at 4 or 2 bytes per parameter; ``uint8``, all-gathers of two fp32 per 512-element
+all-reduce at 4 or 2 bytes per parameter (this product's dense syncs at its default
+``--edgc-dense-wire``, bf16 since issue 64, unless the mode names one); ``uint8``, all-gathers of two fp32 per 512-element
 channel then the uint8 payload; PowerSGD, P then Q (ours: bf16 factors, the rest in the
 gradient dtype; ``hook r_max``: all fp32, its math assumed ours at that rank: likely low);
 ``local SGD``, gradient all-reduces for ``--hook-start-iter`` (2) iterations, then the fp32
@@ -56,6 +62,7 @@ sys.path.insert(0, ROOT)
 from bench import peers  # noqa: E402
 from bench.model import CLUSTERS, allreduce_s, kernel_s, shard_matrices, sync_bytes  # noqa: E402
 from bench.report import write_section  # noqa: E402
+from megatron_edgc.config.edgc import EdgcConfig  # noqa: E402
 
 GPUS, LINKS = (8, 64), (10.0, 25.0, 100.0)
 ALPHA_US = CLUSTERS["gpt2-12.1b-h100x64"].alpha_us
@@ -67,7 +74,9 @@ H100 = {"compute_ms": 210.80, "entropy_window_ms": 3278.9, "entropy_sample_ms": 
 KERNELS = {"configs": {"gpt2-medium": {"runs": [
     {"rank": r, "factor_dtype": "bf16", "grad_dtype": g, "total": ms}
     for r, g, ms in H100["math_ms"]]}}}
-MODES = peers.modes(200)
+MODES = peers.modes(200)   # the race's flags (main() sets those of the curves' length)
+#: this product's dense wire where a mode does not name one (issue 64: bf16)
+DENSE_WIRE = EdgcConfig().dense_wire
 
 
 def medium_shapes():
@@ -102,8 +111,9 @@ def mode_bytes(mode: str, rank, shapes) -> list:
         chans = -(-params // CHANNEL)
         return [("allgather", chans * 2 * 4), ("allgather", chans * CHANNEL)]
     if rank is None or not compresses(mode):
-        bf16 = bf16_trained(mode) or "bf16" in (flag(mode, "--edgc-dense-wire"),
-                                                 flag(mode, "--hook"))
+        wire = flag(mode, "--edgc-dense-wire") or (
+            DENSE_WIRE if flag(mode, "--edgc-mode") in ("static", "edgc") else None)
+        bf16 = bf16_trained(mode) or "bf16" in (wire, flag(mode, "--hook"))
         return [("allreduce", params * (2 if bf16 else 4))]
     if flag(mode, "--hook") == "powersgd":
         return [("allreduce", b) for b in sync_bytes(mats, rest, rank, 4, factor_bytes=4)]
@@ -256,23 +266,31 @@ def main() -> int:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--peers", default=os.path.join(ROOT, "bench", "results", "peers"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cluster_price"))
+    p.add_argument("--loss-iters", type=int, default=200,
+                   help="the length of the loss curves in --peers (bench/peers.py "
+                        "--loss-iters): the run length priced; other than 200 its own "
+                        "section, beside the race's")
     args = p.parse_args()
+    global MODES
+    MODES = peers.modes(args.loss_iters)
     with open(os.path.join(ROOT, peers.CONFIG)) as fh:
         edgc = yaml.safe_load(fh)["edgc"]
     window, rate = edgc["window"], edgc["iter_sample_rate"]
-    result = price(peers.collect(args.peers, 200, 40), window, rate)
+    result = price(peers.collect(args.peers, args.loss_iters, 40), window, rate)
     if result["target"] is None:
         raise SystemExit(f"no target: {args.peers} lacks the dense runs")
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "time_to_target.png")
+    suffix = "" if args.loss_iters == 200 else f"_{args.loss_iters}"
+    png = os.path.join(args.out, f"time_to_target{suffix}.png")
     result.update(h100=H100, alpha_us=ALPHA_US, peers_dir=os.path.relpath(args.peers, ROOT),
                   sampler_ms=sampler_ms(window, rate, draw=False))
-    with open(os.path.join(args.out, "cluster_price.json"), "w") as fh:
+    with open(os.path.join(args.out, f"cluster_price{suffix}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     plot(result, png)
     png = os.path.relpath(png, ROOT)
     body = (f"**Modeled** (inputs and assumptions: bench/cluster_price.py's docstring). "
-            f"Iterations to the race's target ({result['target']:.4f}; `{result['peers_dir']}`;"
+            f"Loss curves of {args.loss_iters} iterations; iterations to the race's target "
+            f"({result['target']:.4f}; `{result['peers_dir']}`;"
             f" median (min–max) over seeds) measured on the CPU race's tiny GPT-2; each "
             f"iteration priced as GPT-2 medium on H100s: compute {H100['compute_ms']:.1f} ms "
             f"and the compressed step's math measured on one H100 (2026-11-27), EDGC's entropy "
@@ -284,8 +302,12 @@ def main() -> int:
             f"host-draw (before issue 57) variants are in the JSON.\n\n"
             + "\n\n".join(f"**{n} GPUs**\n\n{table(result, n)}" for n in GPUS)
             + "\n\n<!-- notes -->")
-    write_section("cluster_price", "Price on a GPU cluster: GPT-2 medium, time to target "
-                  "(modeled)", ".venv/bin/python bench/cluster_price.py", body)
+    title = "Price on a GPU cluster: GPT-2 medium, time to target (modeled)"
+    command = ".venv/bin/python bench/cluster_price.py"
+    if suffix:
+        title += f", {args.loss_iters}-iteration runs"
+        command += f" --peers {result['peers_dir']} --loss-iters {args.loss_iters}"
+    write_section(f"cluster_price{suffix}", title, command, body)
     print(body)
     return 0
 
