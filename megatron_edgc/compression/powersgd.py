@@ -13,7 +13,7 @@ One step for a bucket, on every DP rank ``i``::
     [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
                                         uncompressed rest (biases, norms, small matrices)
                                         and a non-finite flag
-    P^   = orth(sum P)                  batched shifted CholeskyQR, fp64 transforms (:func:`orthonormalize`)
+    P^   = orth(sum P)                  batched shifted CholeskyQR (:func:`orthonormalize`)
     Q_i  = M_i^T P^
     E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i,
                                         taken in the same pass over M_i (where the first
