@@ -36,8 +36,9 @@ Gradients in bf16 (``--grad-reduce-in-bf16``) keep ``G`` in their buffer until t
 the two products form ``M = float(G) + E`` in fp32 slices of a kept workspace of at most
 :attr:`workspace_bytes` (the second takes the residual as it goes; the end writes
 ``P^ (sum Q)^T`` without forming ``M``), so the products and the residual are the fp32
-ones and only the result written back is rounded to bf16. Conservation then holds to that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i``
-up to ``|Ĝ - M^| <= 2⁻⁸ |M^|`` element-wise (bf16's unit roundoff; fp32 rounding apart).
+ones and only the result written back is rounded to bf16. Conservation then holds to
+that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i`` up to ``|Ĝ - M^| <= 2⁻⁸ |M^|`` element-wise
+(bf16's unit roundoff; fp32 rounding apart).
 
 With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
 and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
@@ -62,8 +63,8 @@ M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
 
 Matrices of equal shape are batched (one call per shape and run of equally spaced
 matrices; no per-matrix loop, no ``torch.linalg.qr``). With ``ef_dtype=torch.bfloat16``
-the residual is kept in bf16 (half the state; its rounding is not fed back). A matrix is compressed at
-rank ``r`` only when ``min(n, m) > r`` and ``(n + m) r · min_rate <= n m``; it then sends
+the residual is kept in bf16 (half the state; its rounding is not fed back). A matrix is
+compressed at rank ``r`` only when ``min(n, m) > r`` and ``(n + m) r · min_rate <= n m``; it then sends
 ``(n + m) r`` instead of ``n m`` elements.
 """
 
