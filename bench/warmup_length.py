@@ -87,6 +87,7 @@ def run_until_warmup_ends(name: str, flags: list, iters: int, seed: int) -> dict
         time.sleep(2)
     if ended is None and proc.returncode not in (0, None):
         raise RuntimeError(f"{name}: the run failed ({proc.returncode})")
+    os.remove(metrics)   # the outcome is the record kept (a 5000-line log is 5 MB)
     result = {"name": name, "flags": flags, "iters": iters, "seed": seed,
               "warmup_end_iter": ended, "last_iteration": last,
               "wall_s": round(time.time() - t0, 1)}
