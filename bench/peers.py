@@ -16,8 +16,11 @@ same data and seeds. Two precisions, and ratios only within one:
   product's dense sync on a bf16 wire, ``--edgc-dense-wire bf16``: the warm-up's and the
   bypass's; timed only, its curve is bf16 wire's), ``uint8``
   (``quantization_perchannel_hook``'s algorithm), ``hook r_max`` (``powerSGD_hook``),
-  ``local SGD /8`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``, every 8 steps;
-  torchft's DiLoCo needs its lighthouse server: not tried), ``static r_max`` (this
+  ``local SGD /8`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``, every 8 steps),
+  ``DiLoCo H8`` / ``DiLoCo H32`` (torchft's ``DiLoCo`` with its own lighthouse, started
+  by the peer: inner AdamW, outer Nesterov lr 0.7 momentum 0.9, a sync every H steps)
+  and ``Streaming DiLoCo H32/4`` (4 fragments, each sync overlapping one inner step),
+  ``static r_max`` (this
   product's PowerSGD at a fixed rank), ``EDGC`` (the paper controller with its default
   flags: dense warm-up bounded at 10 % of the run, the residual's dtype ``auto``);
 * **trained in bf16** (``--bf16 --grad-reduce-in-bf16``, Megatron-LM's bf16 mixed precision
@@ -126,6 +129,11 @@ def modes(iters: int) -> dict:
         "uint8": (DDP, ["--hook", "quantize"]),
         "hook r_max": (DDP, ["--hook", "powersgd", "--hook-rank", str(R_MAX)]),
         "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
+        "DiLoCo H8": (DDP, ["--hook", "diloco", "--diloco-sync-every", "8"]),
+        "DiLoCo H32": (DDP, ["--hook", "diloco", "--diloco-sync-every", "32"]),
+        "Streaming DiLoCo H32/4": (DDP, ["--hook", "diloco", "--diloco-sync-every", "32",
+                                         "--diloco-fragments", "4",
+                                         "--diloco-fragment-sync-delay", "1"]),
         "static r_max": (TRAINER, static + ["--edgc-rank", str(R_MAX)]),
         "EDGC": (TRAINER, edgc_flags(iters, "paper")),
         # trained in bf16 (megatron-core's bf16 mixed precision, bf16 gradient buffers)

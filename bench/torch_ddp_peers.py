@@ -7,6 +7,7 @@
     python bench/torch_ddp_peers.py --hook bf16 ...           # default_hooks.bf16_compress_hook
     python bench/torch_ddp_peers.py --hook quantize ...       # quantization_perchannel_hook (uint8)
     python bench/torch_ddp_peers.py --hook local-sgd --local-sgd-period 8 ...
+    python bench/torch_ddp_peers.py --hook diloco --diloco-sync-every 8 ...  # torchft (extra: bench)
 
 ``--hook``: ``powersgd``: PyTorch's ``powerSGD_hook`` at ``--hook-rank`` (error feedback,
 warm start, ``--hook-start-iter`` iterations of plain all-reduce first, its minimum 2);
@@ -18,7 +19,16 @@ every rank receives every other rank's payload);
 subgroup of one rank (each DP rank steps alone: on a real cluster the subgroup is a site)
 after ``--hook-start-iter`` iterations of global all-reduce, and ``PostLocalSGDOptimizer``
 with a ``PeriodicModelAverager`` that all-reduces the parameters every
-``--local-sgd-period`` steps. ``--hook-rank 0`` (the old spelling) is ``allreduce``.
+``--local-sgd-period`` steps. ``--hook-rank 0`` (the old spelling) is ``allreduce``;
+``diloco``: DiLoCo (Douillard et al., 2023) through torchft's own ``DiLoCo``, ``Manager``
+and ``ProcessGroupGloo``: no DDP, each DP rank its own torchft replica group stepping the
+inner AdamW alone, and every ``--diloco-sync-every`` (H) steps the pseudo-gradient
+(global − local weights) averaged across the replicas and applied by the outer Nesterov
+SGD (``--diloco-outer-lr`` 0.7, ``--diloco-outer-momentum`` 0.9, the paper's);
+``--diloco-fragments F`` with ``--diloco-fragment-sync-delay`` is Streaming DiLoCo (the
+model in F fragments synced in turn, each sync overlapping that many inner steps). The
+replicas meet through a real ``torchft_lighthouse``: started and stopped here for local
+processes, ``--lighthouse ADDR`` for one of the launcher's.
 
 Same model (megatron-core ``GPTModel``, same init seeds), same data stream, same loss,
 the same learning-rate schedule (megatron-core's ``OptimizerParamScheduler``) and Adam
@@ -41,6 +51,7 @@ parameters), val loss), so the benchmarks read both alike. Launch as the trainer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -51,7 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-HOOKS = ("powersgd", "allreduce", "bf16", "quantize", "local-sgd")
+HOOKS = ("powersgd", "allreduce", "bf16", "quantize", "local-sgd", "diloco")
 CHANNEL = 512   # quantization_perchannel_hook's default bucket_size
 
 
@@ -122,6 +133,101 @@ class TimedHook:
         return fut
 
 
+def model_fragments(model, count: int) -> list:
+    """``count`` modules that hold every parameter of a ``GPTModel`` once, in layer order
+    (Streaming DiLoCo's fragments; ``[model]`` for one)."""
+    import torch.nn as nn
+
+    if count == 1:
+        return [model]
+    pieces = [model.embedding, *model.decoder.layers, model.decoder.final_layernorm]
+    if getattr(model, "output_layer", None) is not None:
+        pieces.append(model.output_layer)
+    if count > len(pieces):
+        raise ValueError(f"--diloco-fragments: at most {len(pieces)} for this model")
+    bounds = [round(i * len(pieces) / count) for i in range(count + 1)]
+    fragments = [nn.ModuleList(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
+    held = [id(p) for f in fragments for p in f.parameters()]
+    assert sorted(held) == sorted(id(p) for p in model.parameters()), "fragments miss weights"
+    return fragments
+
+
+class DiLoCoEngine:
+    """torchft's DiLoCo on one DP rank: its own replica group (of one process), its own
+    store, a ``Manager`` meeting the others at the lighthouse, ``DiLoCo`` hooked on the
+    inner optimizer's step. Counts the bytes each outer sync puts into its all-reduce (the
+    synced fragment's fp32 pseudo-gradient) and, with ``--diloco-dump``, records the
+    weights around each sync for the tests."""
+
+    def __init__(self, model, optimizer, opts, dp_rank: int, dp_size: int, device):
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+
+        self.model, self.optimizer = model, optimizer
+        self.fragments = model_fragments(model, opts.diloco_fragments)
+        self.fragment_bytes = [sum(p.numel() * 4 for p in f.parameters())
+                               for f in self.fragments]
+        timeout = timedelta(seconds=opts.diloco_timeout_s)
+        self.store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=dp_size,
+            load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
+            replica_id=f"dp{dp_rank}", store_addr="localhost", store_port=self.store.port,
+            rank=0, world_size=1, lighthouse_addr=opts.lighthouse, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout,
+            # every replica starts from the same seeded weights; torchft's step-0 sync
+            # would otherwise copy a peer's weights at the first quorum, which DiLoCo
+            # holds only after H inner steps: one replica's training would be lost
+            init_sync=False)
+        self.outer = [torch.optim.SGD(f.parameters(), lr=opts.diloco_outer_lr,
+                                      momentum=opts.diloco_outer_momentum, nesterov=True)
+                      for f in self.fragments]
+        self.dump = opts.diloco_dump
+        self.record = {"initial": self._weights(), "syncs": []} if self.dump else None
+        self._local = None
+        if self.dump:   # registered before DiLoCo's: sees the local weights before a sync
+            optimizer.register_step_post_hook(lambda *_: setattr(self, "_local",
+                                                                 self._weights()))
+        self.diloco = DiLoCo(self.manager, self.fragments, optimizer, self.outer,
+                             sync_every=opts.diloco_sync_every, backup_device=device,
+                             pin_memory=device.type == "cuda",
+                             fragment_sync_delay=opts.diloco_fragment_sync_delay)
+        self.diloco.__enter__()
+        self._synced = self.manager.current_step()
+
+    def _weights(self) -> dict:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+    def bytes_after_step(self) -> int:
+        """After an inner step: the bytes its outer sync sent (0 where it synced nothing)."""
+        step = self.manager.current_step()
+        sent = sum(self.fragment_bytes[s % len(self.fragments)]
+                   for s in range(self._synced, step))
+        if step != self._synced and self.record is not None:
+            self.record["syncs"].append({"local": self._local, "after": self._weights()})
+        self._synced = step
+        return sent
+
+    def close(self, path: str) -> None:
+        import torch
+
+        self.diloco.__exit__(None, None, None)
+        if self.record is not None:
+            torch.save(self.record, path)
+        self.manager.shutdown(wait=False)
+
+
 def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     import numpy
     import torch
@@ -177,11 +283,16 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
         # match expected size" with DDP's default 1 MiB first bucket).
         bucket_elems = cfg.parallel.bucket_size or max(40_000_000,
                                                        1_000_000 * dist.get_world_size(dp_group))
-        ddp = DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None,
-                                      process_group=dp_group,
-                                      bucket_cap_mb=bucket_elems * 4 / 2**20)
         kind = opts.hook
-        if kind == "powersgd":
+        # DiLoCo: no DDP, every rank steps alone between its outer syncs
+        ddp = None if kind == "diloco" else DistributedDataParallel(
+            model, device_ids=[local_rank] if on_gpu else None, process_group=dp_group,
+            bucket_cap_mb=bucket_elems * 4 / 2**20)
+        net = model if ddp is None else ddp
+        hook = None
+        if kind == "diloco":
+            pass
+        elif kind == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=dp_group, matrix_approximation_rank=opts.hook_rank,
                 start_powerSGD_iter=opts.hook_start_iter,
@@ -201,10 +312,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                               "quantize": quantize_perchannel_hook}[kind],
                              state, kind)
 
-        def timed_hook(hook_state, bucket):  # DDP wants a function (it reads its names)
-            return hook(hook_state, bucket)
+        if ddp is not None:
+            def timed_hook(hook_state, bucket):  # DDP wants a function (it reads its names)
+                return hook(hook_state, bucket)
 
-        ddp.register_comm_hook(state, timed_hook)
+            ddp.register_comm_hook(state, timed_hook)
 
         decay = [p for p in model.parameters() if p.dim() > 1]
         no_decay = [p for p in model.parameters() if p.dim() <= 1]
@@ -218,13 +330,15 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                                              process_group=dp_group)
             optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device) \
+            if kind == "diloco" else None
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
             lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
             wd_incr_steps=t.train_iters, wd_incr_style="constant")
 
-        dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
         nmb = cfg.num_microbatches
         evals = t.train_iters // cfg.eval.eval_interval + 1
         gbs = t.global_batch_size
@@ -246,18 +360,21 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
 
         @torch.no_grad()
         def evaluate() -> float:
-            ddp.eval()
+            net.eval()
             losses = [micro_loss(model, b).item() for k in range(cfg.eval.eval_iters)
                       for b in valid.micro_batches(k)]
-            ddp.train()
+            net.train()
             return dp_mean(float(numpy.mean(losses)))
 
         is_logger = rank == 0
         writer = MetricsWriter(cfg.logging.metrics_file, None, is_logger)
         history, val_loss, start = [], None, time.perf_counter()
         tokens = gbs * m.seq_length
+        bytes_sent = 0
+        no_sync = contextlib.nullcontext if ddp is None else ddp.no_sync
         for it in range(t.train_iters):
-            hook.reset()
+            if hook is not None:
+                hook.reset()
             if on_gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -266,11 +383,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
             for j, batch in enumerate(train.micro_batches(it)):
                 last = j == nmb - 1
                 if last:
-                    loss = micro_loss(ddp, batch)
+                    loss = micro_loss(net, batch)
                     (loss / nmb).backward()     # DDP returns once the gradients are reduced
                 else:
-                    with ddp.no_sync():
-                        loss = micro_loss(ddp, batch)
+                    with no_sync():
+                        loss = micro_loss(net, batch)
                         (loss / nmb).backward()
                 losses.append(loss.detach())
             if on_gpu:
@@ -282,12 +399,13 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                 if step >= averager.warmup_steps and (step - averager.warmup_steps) \
                         % averager.period == 0:
                     hook.bytes_sent += param_bytes
-            optimizer.step()
+            optimizer.step()     # DiLoCo: the outer sync runs in its step hook, every H
+            bytes_sent = diloco.bytes_after_step() if diloco is not None else hook.bytes_sent
             scheduler.step(increment=1)
             if on_gpu:
                 torch.cuda.synchronize()
             iter_ms = (time.perf_counter() - t0) * 1e3
-            sent = torch.tensor([hook.bytes_sent], dtype=torch.float64, device=device)
+            sent = torch.tensor([bytes_sent], dtype=torch.float64, device=device)
             dist.all_reduce(sent)
             record = {"iteration": it + 1,
                       "loss": dp_mean(torch.stack(losses).float().mean().item()),
@@ -295,7 +413,8 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       "tokens": tokens, "tokens_per_s": tokens / (iter_ms / 1e3),
                       "grad_norm": float(grad_norm),
                       "grad_sync_ms": [(ready - hook.last_ready) * 1e3
-                                       if hook.last_ready is not None else float("nan")],
+                                       if hook is not None and hook.last_ready is not None
+                                       else float("nan")],
                       "dp_bytes_sent_job": int(sent.item()),
                       "rank_dp": [opts.hook_rank] if kind == "powersgd" and
                       it >= opts.hook_start_iter else None}
@@ -312,12 +431,19 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       + (f" | val loss {val_loss:.4f}" if "val_loss" in record else ""),
                       flush=True)
         writer.close()
+        if diloco is not None:
+            diloco.close(os.path.join(opts.diloco_dump or ".", f"diloco_rank{dp_rank}.pt"))
         summary = summarize(history, val_loss, time.perf_counter() - start, cfg)
         summary["engine"] = {
             "powersgd": f"torch DDP + powerSGD_hook r{opts.hook_rank}",
             "allreduce": "torch DDP all-reduce", "bf16": "torch DDP + bf16_compress_hook",
             "quantize": "torch DDP + quantization_perchannel_hook (uint8)",
-            "local-sgd": f"torch DDP + post-local SGD, average every {opts.local_sgd_period}"}[kind]
+            "local-sgd": f"torch DDP + post-local SGD, average every {opts.local_sgd_period}",
+            "diloco": f"torchft DiLoCo, H {opts.diloco_sync_every}, outer Nesterov lr "
+                      f"{opts.diloco_outer_lr} momentum {opts.diloco_outer_momentum}"
+                      + (f", {opts.diloco_fragments} fragments, delay "
+                         f"{opts.diloco_fragment_sync_delay}" if opts.diloco_fragments > 1
+                         else "")}[kind]
         if is_logger and cfg.logging.metrics_file:
             import json
 
@@ -343,12 +469,34 @@ def main(argv=None) -> int:
                    help="iterations of plain all-reduce first (PowerSGD's minimum: 2)")
     p.add_argument("--local-sgd-period", type=int, default=8,
                    help="local SGD: steps between parameter averagings (>= 1)")
+    p.add_argument("--diloco-sync-every", type=int, default=8,
+                   help="DiLoCo: inner steps H between outer syncs (>= 1)")
+    p.add_argument("--diloco-outer-lr", type=float, default=0.7,
+                   help="DiLoCo: the outer Nesterov SGD's learning rate (> 0)")
+    p.add_argument("--diloco-outer-momentum", type=float, default=0.9,
+                   help="DiLoCo: the outer Nesterov SGD's momentum [0, 1)")
+    p.add_argument("--diloco-fragments", type=int, default=1,
+                   help="Streaming DiLoCo: fragments synced in turn (1: plain DiLoCo)")
+    p.add_argument("--diloco-fragment-sync-delay", type=int, default=0,
+                   help="Streaming DiLoCo: inner steps a fragment's sync overlaps")
+    p.add_argument("--diloco-timeout-s", type=float, default=120.0,
+                   help="DiLoCo: torchft's quorum and collective timeout")
+    p.add_argument("--lighthouse", default=None,
+                   help="DiLoCo: the torchft lighthouse (http://HOST:PORT); default: one "
+                        "started for the local processes and stopped after")
+    p.add_argument("--diloco-dump", default=None, metavar="DIR",
+                   help="DiLoCo: save each rank's weights around every outer sync here")
     opts, rest = p.parse_known_args(argv)
     if opts.hook is None:
         opts.hook = "powersgd" if opts.hook_rank > 0 else "allreduce"
     if opts.local_sgd_period < 1:
         print("error: --local-sgd-period: must be >= 1", file=sys.stderr)
         return 2
+    if opts.hook == "diloco":
+        problem = diloco_problem(opts)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     from megatron_edgc.config import ConfigError, parse_config
     from megatron_edgc.training.launch import detect_launch_env, spawn_local
 
@@ -376,8 +524,74 @@ def main(argv=None) -> int:
     import megatron_edgc.training.loop  # noqa: F401  (heavy imports once, before fork)
 
     if launch is not None:
+        if opts.hook == "diloco" and opts.lighthouse is None:
+            print("error: --lighthouse: a launched DiLoCo job needs the address of a running "
+                  "torchft_lighthouse", file=sys.stderr)
+            return 2
         return worker(cfg, opts, launch.rank, launch.world_size, launch.local_rank)
-    return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
+    if opts.hook != "diloco" or opts.lighthouse is not None:
+        return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
+    with lighthouse(par.world_size) as address:
+        opts.lighthouse = address
+        return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
+
+
+def diloco_problem(opts):
+    """The first bad DiLoCo flag, as the line to print; None when they are fine."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "--hook diloco: needs torchft, the optional extra: pip install -e '.[bench]'"
+    if opts.diloco_sync_every < 1:
+        return f"--diloco-sync-every: must be >= 1 (got {opts.diloco_sync_every})"
+    if opts.diloco_outer_lr <= 0:
+        return f"--diloco-outer-lr: must be > 0 (got {opts.diloco_outer_lr})"
+    if not 0 <= opts.diloco_outer_momentum < 1:
+        return f"--diloco-outer-momentum: must be in [0, 1) (got {opts.diloco_outer_momentum})"
+    if opts.diloco_fragments < 1 or opts.diloco_sync_every % opts.diloco_fragments:
+        return (f"--diloco-fragments: must be >= 1 and divide --diloco-sync-every "
+                f"{opts.diloco_sync_every} (got {opts.diloco_fragments})")
+    per = opts.diloco_sync_every // opts.diloco_fragments
+    if not 0 <= opts.diloco_fragment_sync_delay < per:
+        return (f"--diloco-fragment-sync-delay: must be in [0, {per}) (H / fragments; got "
+                f"{opts.diloco_fragment_sync_delay})")
+    return None
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int):
+    """A ``torchft_lighthouse`` for ``min_replicas`` replica groups on a free port, its
+    address while the block runs; stopped after."""
+    import shutil
+    import socket
+    import subprocess
+
+    exe = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable),
+                                                             "torchft_lighthouse")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind",
+                             f"0.0.0.0:{port}", "--quorum_tick_ms", "100",
+                             "--join_timeout_ms", "10000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"torchft_lighthouse did not start (exit {proc.poll()})")
+                time.sleep(0.1)
+        yield f"http://localhost:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 if __name__ == "__main__":
