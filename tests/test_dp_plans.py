@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.patches import ddp
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.megatron_buckets import Reduction, megatron_sync_bytes
@@ -21,14 +20,25 @@ MATRICES = [("w1", (48, 40)), ("w2", (48, 40)), ("w3", (40, 96)), ("b", (1, 40))
 INTER, INTRA = object(), object()   # the groups, as tokens: collectives are simulated
 
 
-def one_bucket(seed: int):
+def one_bucket(seed: int, transposed: bool = False):
+    """A bucket of :data:`MATRICES` and its layout; ``transposed``: each matrix stored as
+    its transpose (``m × n``)."""
     numel = sum(n * m for _, (n, m) in MATRICES)
     bucket = types.SimpleNamespace(grad_data=torch.zeros(numel))
     offset, layout = 0, []
     for name, (n, m) in MATRICES:
-        layout.append((name, (n, m), offset))
+        layout.append((name, (m, n) if transposed else (n, m), offset))
         offset += n * m
     return bucket, layout
+
+
+def transpose_matrices(flat: torch.Tensor, shapes) -> torch.Tensor:
+    """A bucket's data with each matrix (``shapes``, in order) transposed."""
+    out, offset = torch.empty_like(flat), 0
+    for n, m in shapes:
+        out[offset:offset + n * m] = flat[offset:offset + n * m].view(n, m).t().reshape(-1)
+        offset += n * m
+    return out
 
 
 def run_in_lockstep(strategies: list) -> None:
@@ -76,7 +86,8 @@ def test_slow_hop_with_one_rank_per_instance_equals_the_flat_strategy(factor_dty
     """With s = 1 the slow hop's shard is the whole bucket: its strategy (dense
     reduce-scatter, ``[L | flag]`` reduce-scattered, the slice across, the all-gather,
     ``[Q' | dense | flag]`` across) must give what the flat strategy gives with the factor
-    on the same side (``transposed``): gradients, residuals, warm starts, over three steps,
+    on the same side (the flat one on the transposed matrices, PowerSGD of ``Mᵀ``):
+    gradients, residuals, warm starts, over three steps,
     within :func:`slow_hop_rounding_bound` (two code paths: their products may round
     differently on another CPU); and every replica of each strategy bit for bit the same."""
     instances, rank = 3, 4
@@ -87,28 +98,32 @@ def test_slow_hop_with_one_rank_per_instance_equals_the_flat_strategy(factor_dty
         bucket, layout = one_bucket(t)
         slow.append(BucketPlan.build("b0", bucket, Reduction(INTER, instances, False, INTRA, 1, 0),
                                      layout, [], rank, settings))
-        bucket, layout = one_bucket(t)
-        plan = BucketPlan.build("b0", bucket, Reduction(INTER, instances, False), layout, [],
-                                rank, settings)
-        plan.compressor = BucketCompressor([(n, s) for n, s, _ in layout], rank,
-                                           transposed=True, **settings)
-        flat.append(plan)
+        bucket, layout = one_bucket(t, transposed=True)
+        flat.append(BucketPlan.build("b0", bucket, Reduction(INTER, instances, False), layout,
+                                     [], rank, settings))
     assert slow[0].compressor.groups and slow[0].compressor.dense_indices
     inner = max(max(shape) for _, shape in MATRICES)
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
+        shapes = [shape for _, shape in MATRICES]
         for s, f in zip(slow, flat):
             g = torch.randn(s.bucket.grad_data.shape, generator=gen)
             s.bucket.grad_data.copy_(g)
-            f.bucket.grad_data.copy_(g)
+            f.bucket.grad_data.copy_(transpose_matrices(g, shapes))
         run_in_lockstep([p.strategy(dense=False) for p in slow])
         run_in_lockstep([p.strategy(dense=False) for p in flat])
         tol = slow_hop_rounding_bound(factor_dtype, step, inner)
+        back = [(m, n) for n, m in shapes]
         for s, f in zip(slow, flat):
-            assert_within_rounding(s.bucket.grad_data, f.bucket.grad_data, tol,
+            assert_within_rounding(s.bucket.grad_data,
+                                   transpose_matrices(f.bucket.grad_data, back), tol,
                                    f"gradients, step {step}")
-            for gs, gf in zip(s.compressor.groups.values(), f.compressor.groups.values()):
-                assert_within_rounding(gs.residual, gf.residual, tol, f"residual, step {step}")
+            flat_groups = {tuple(g.seed_names): g for g in f.compressor.groups.values()}
+            assert len(flat_groups) == len(s.compressor.groups)
+            for gs in s.compressor.groups.values():
+                gf = flat_groups[tuple(gs.seed_names)]
+                assert_within_rounding(gs.residual, gf.residual.transpose(1, 2), tol,
+                                       f"residual, step {step}")
                 assert_within_rounding(gs.q, gf.q, tol, f"warm start, step {step}")
         # the replicas of one strategy: the same code on the same sums, bit for bit
         for plans in (slow, flat):

@@ -83,13 +83,7 @@ from megatron_edgc.compression.orthonormal import orthonormalize
 
 class BucketCompressor(LowRankState):
     """PowerSGD of a whole bucket (module docstring): ``start`` → SUM → ``middle`` → SUM →
-    ``finish``. ``transposed=True`` shares the factor on the columns' side instead
-    (PowerSGD of ``Mᵀ``: ``P = Mᵀ Q``, ``[k, m, r]``; the warm start ``[k, n, r]``), the
-    orientation of the slow hop's shards, which it then equals on a whole bucket."""
-
-    def __init__(self, entries, rank: int, *, transposed: bool = False, **kwargs):
-        self.transposed = transposed
-        super().__init__(entries, rank, **kwargs)
+    ``finish``; the shared factor ``P = M Q`` on the rows' side."""
 
     #: The orthonormalization of the summed P (``bench/step_before.py`` swaps in the old).
     orthonormalize = staticmethod(orthonormalize)
@@ -97,28 +91,20 @@ class BucketCompressor(LowRankState):
     def fresh(self, rank: int) -> "BucketCompressor":
         """A compressor of the same entries and settings at ``rank``, with no state (the
         bypass times one on scratch gradients)."""
-        return BucketCompressor(self.entries, rank, transposed=self.transposed,
-                                **self._settings())
+        return BucketCompressor(self.entries, rank, **self._settings())
 
     # ------------------------------------------------------------------ sizes
 
-    def _sides(self, g: ShapeGroup) -> tuple[int, int]:
-        """Rows of the shared factor ``P`` and of the local one ``Q`` of group ``g``."""
-        return (g.m, g.n) if self.transposed else (g.n, g.m)
-
     def _q_shape(self, g: ShapeGroup) -> tuple:
-        return (self._sides(g)[1], self._rank_for(g))
+        return (g.m, self._rank_for(g))
 
     def _seeded(self, g: ShapeGroup, tag: str, cols: int) -> torch.Tensor:
-        return torch.stack([seeded_gaussian(self.seed, name, tag, self._sides(g)[1], cols)
+        return torch.stack([seeded_gaussian(self.seed, name, tag, g.m, cols)
                             for name in g.seed_names])
 
     def _factor_numels(self) -> tuple[int, int]:
-        p = q = 0
-        for g in self.groups.values():
-            p_rows, q_rows = self._sides(g)
-            p += len(g.indices) * p_rows * self._rank_for(g)
-            q += len(g.indices) * q_rows * self._rank_for(g)
+        p = sum(len(g.indices) * g.n * self._rank_for(g) for g in self.groups.values())
+        q = sum(len(g.indices) * g.m * self._rank_for(g) for g in self.groups.values())
         return p, q
 
     def layouts(self) -> tuple[WireLayout, WireLayout]:
@@ -144,7 +130,7 @@ class BucketCompressor(LowRankState):
         the views ``M`` is held in for :meth:`middle` and :meth:`finish`."""
         views = step.views[key] = self.ef.views(g, grads)
         self.ef.form(g, views)
-        return self.ef.project(g, views, g.q, transposed=self.transposed)
+        return self.ef.project(g, views, g.q, transposed=False)
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, Step]:
         """Error feedback ``G += E`` in the gradients and ``P = M Q``; returns the buffers
@@ -166,14 +152,14 @@ class BucketCompressor(LowRankState):
         dtype, or none). Runs whatever the summed flag says."""
         first, second = self.layouts()
         p_buf, dense, step.nonfinite = first.unpack(reduced)
-        shapes = [(len(g.indices), self._sides(g)[0], self._rank_for(g))
+        shapes = [(len(g.indices), g.n, self._rank_for(g))
                   for g in self.groups.values()]
         stood_in: list = []
         for key, p in zip(self.groups, split_factors(p_buf, shapes)):
             step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
         hats = list(step.p_hat.values())
         step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
-        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), not self.transposed)
+        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), True)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
@@ -189,4 +175,4 @@ class BucketCompressor(LowRankState):
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
         step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
-        self._write_results(step, q_buf, step.nonfinite, not self.transposed)
+        self._write_results(step, q_buf, step.nonfinite, True)

@@ -34,9 +34,8 @@ class StepCapture:
     def __init__(self, comp, grads: Sequence[torch.Tensor], **about):
         self.comp = comp
         self._p_sums: list = []   # each group's summed P, on the step's device
-        self.record = dict(about, transposed=comp.transposed,
-                           factor_dtype=str(comp.factor_dtype), ef_dtype=str(comp.ef_dtype),
-                           groups=[])
+        self.record = dict(about, factor_dtype=str(comp.factor_dtype),
+                           ef_dtype=str(comp.ef_dtype), groups=[])
         for key, g in comp.groups.items():
             self.record["groups"].append(dict(
                 key=key, names=list(g.names), n=g.n, m=g.m, rank=comp._rank_for(g),
@@ -49,9 +48,8 @@ class StepCapture:
         first, second = self.comp.layouts()
         layout = first if phase == "p" else second
         buf, _, flag = layout.unpack([_copy(b) for b in reduced])
-        sides = [self.comp._sides(g) for g in self.comp.groups.values()]
-        shapes = [(len(g.indices), rows[0 if phase == "p" else 1], self.comp._rank_for(g))
-                  for g, rows in zip(self.comp.groups.values(), sides)]
+        shapes = [(len(g.indices), g.n if phase == "p" else g.m, self.comp._rank_for(g))
+                  for g in self.comp.groups.values()]
         for group, factor in zip(self.record["groups"], split_factors(buf[:layout.factors],
                                                                       shapes)):
             group[f"{phase}_sum"] = factor
@@ -82,8 +80,7 @@ def replay(record: dict, device="cpu") -> list:
     """``[(group key, phase, finite)]`` of every phase of the captured step rerun on
     ``device``, in order: the inputs, ``M = G + E``, this rank's ``P``, the captured sum,
     the orthonormalization's four stages, this rank's ``Q``, the captured sum, the residual
-    and the decompressed gradient (``M`` transposed where the compressor shares the
-    columns' side)."""
+    and the decompressed gradient."""
     out = []
     factor_dtype = _DTYPES[record["factor_dtype"]]
     for g in record["groups"]:
@@ -96,8 +93,6 @@ def replay(record: dict, device="cpu") -> list:
         see("input: warm start Q", q)
         m = grad.float() + residual.float()
         see("M = G + E", m)
-        if record["transposed"]:
-            m = m.transpose(1, 2)
         p = torch.bmm(m, q.float())
         see("P = M Q (this rank)", p)
         see("P on the wire (factor dtype)", p.to(factor_dtype))
