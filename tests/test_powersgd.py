@@ -109,7 +109,7 @@ def test_replicas_identical_and_error_feedback_conserves_mass():
     assert torch.allclose(grads[0][3], sum(originals[rk][3] for rk in range(world)), atol=1e-6)
     # Bytes: (n+m) r per compressed matrix, the bias dense, one flag element.
     assert bytes_sent == 4 * (2 * (64 + 128) * r + (128 + 64) * r + 64 + 1)
-    assert bytes_sent == sum(comps[0].collective_numels()) * 4
+    assert bytes_sent == sum(comps[0].collective_bytes())
 
 
 def test_rank_change_resizes_q_keeps_residual():
@@ -545,7 +545,7 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, gra
     residual = sum(g.residual.numel() * g.residual.element_size()
                    for g in comp.groups.values()) / 2**20
     factors = sum(len(g.indices) * (g.n + g.m) * 8 * 4 * 4 for g in comp.groups.values())
-    factors = factors / 2**20 + sum(comp.collective_numels()) * 4 * 2 / 2**20
+    factors = factors / 2**20 + sum(comp.collective_bytes()) * 2 / 2**20
     workspace = max(64.0, 0.05 * residual)
 
     def transient(fn):

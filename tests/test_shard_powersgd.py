@@ -205,10 +205,10 @@ def test_slow_hop_carries_own_rows_and_one_q_per_instance(s):
         rows = sum(pc.shape[0] * r for pc in cluster.pieces[k] if pc.row_block)
         dense = sum(pc.numel for pc in cluster.pieces[k] if not pc.row_block)
         expected = rows + dense + 1 + lq_padded // s
-        assert cluster.slow_hop_numel[k] == expected == sum(comp.collective_numels())
+        assert cluster.slow_hop_numel[k] == expected == sum(comp.collective_bytes()) // 4
         assert sum(comp.wire_bytes()) == 4 * expected
     # one column factor per instance: its elements on the slow hop do not grow with s
-    assert sum(cluster.comps[0, k].collective_numels()[0] for k in range(s)) == lq_padded
+    assert sum(cluster.comps[0, k].collective_bytes()[0] for k in range(s)) == 4 * lq_padded
 
 
 @pytest.mark.parametrize("at", [5, 1265], ids=["in-a-matrix-of-shard-0",
@@ -312,7 +312,7 @@ def test_a_bucket_without_a_compressed_matrix_syncs_exactly():
 def test_a_shard_of_bucket_padding_takes_part():
     """A shard with no piece (only the bucket's padding) still runs both phases."""
     comp = ShardCompressor([], [], [("w", (64, 32))], 4, 2)
-    assert comp.shares_factor() and comp.collective_numels() == (comp.slice_numel(), 1)
+    assert comp.shares_factor() and comp.collective_bytes() == (4 * comp.slice_numel(), 4)
     (p_full,), step = comp.start([])
     assert p_full.abs().sum() == 0
     bufs = comp.middle(step, [p_full])

@@ -118,11 +118,6 @@ class BucketCompressor(LowRankState):
         first, second = self.layouts()
         return first.bytes(), second.bytes()
 
-    def collective_numels(self) -> tuple[int, int]:
-        """Elements of the two collectives: ``[P | dense rest | flag]`` and ``Q``."""
-        p, q = self._factor_numels()
-        return p + self._dense_numel_sent() + 1, q
-
     # ------------------------------------------------------------------ one step
 
     def _form_m_and_p(self, key, g: ShapeGroup, grads, step: Step) -> torch.Tensor:

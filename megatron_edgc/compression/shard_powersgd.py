@@ -187,11 +187,6 @@ class ShardCompressor(LowRankState):
         first = [self.slice_numel() * self._factor_size()] if self.shares_factor() else []
         return first, self.second_layout().bytes()
 
-    def collective_numels(self) -> tuple[int, int]:
-        """Elements across instances: the ``P`` slice, and ``[Q_b' | dense | flag]``."""
-        second = self.second_layout()
-        return self.slice_numel(), second.factors + second.dense + 1
-
     # ------------------------------------------------------------------ one step
 
     def start(self, grads: Sequence[torch.Tensor]) -> tuple[list, Step]:

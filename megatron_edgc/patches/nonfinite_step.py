@@ -156,7 +156,3 @@ def install_nonfinite_guard(optimizer, iteration: Callable[[], int],
     """The guard on ``optimizer`` (the one already there, if any)."""
     return NonFiniteStepGuard(optimizer, iteration, log).install()
 
-
-def guard_of(optimizer) -> Optional[NonFiniteStepGuard]:
-    """The guard installed on ``optimizer``, or None."""
-    return getattr(optimizer, "__dict__", {}).get("_edgc_nonfinite_guard")

@@ -160,11 +160,6 @@ def _jsonable(obj):
     return str(obj)
 
 
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def expert_split(rec: dict) -> str:
     """The DP bytes of a MoE job split into dense and expert buckets (job-wide)."""
     expert = rec["dp_expert_bytes_sent_job"]
