@@ -238,7 +238,8 @@ class LowRankState:
                 g, step.views[key], p_hat, basis_rows, bad, self.factor_dtype,
                 energy=self.track_spectrum)
             step.q_sent[key] = sent
-            self._record_sent(g, bad, (p_hat, sent) if basis_rows else (sent, p_hat))
+            # the factors E = M - A Bᵀ was taken against, until after_step (their size)
+            self._sent.append((g, bad, (p_hat, sent) if basis_rows else (sent, p_hat)))
             wire.append(sent.view(-1))
         self.ef.commit(bad)
         return wire
@@ -257,11 +258,6 @@ class LowRankState:
             if self.track_spectrum:
                 self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
             step.views[key] = None
-
-    def _record_sent(self, g: ShapeGroup, bad: torch.Tensor, sent: tuple) -> None:
-        """Keep the factors a group's residual was taken against (``E = M - A Bᵀ``) until
-        :meth:`after_step`: the factors' size, not the gradients'."""
-        self._sent.append((g, bad, sent))
 
     def _settle(self) -> None:
         """A step begins with the last one's outcome unreported: it was applied (what a
