@@ -41,7 +41,8 @@ all-reduce at 4 or 2 bytes per parameter (this product's dense syncs at its defa
 channel then the uint8 payload; PowerSGD, P then Q (ours: bf16 factors, the rest in the
 gradient dtype; ``hook r_max``: all fp32, its math assumed ours at that rank: likely low);
 ``local SGD``, gradient all-reduces for ``--hook-start-iter`` (2) iterations, then the fp32
-parameter all-reduce amortized over its period. Priced 0 (lower bounds for those peers): the
+parameter all-reduce amortized over its period; DiLoCo, the fp32 pseudo-gradient's
+all-reduce amortized over H (its quorum's round trips to the lighthouse unpriced). Priced 0 (lower bounds for those peers): the
 bf16 casts, uint8's (de)quantization of n gathered copies.
 """
 
@@ -134,6 +135,9 @@ def comm_s(mode: str, rank, iteration: int, n: int, gbit: float, shapes,
     if flag(mode, "--hook") == "local-sgd":
         whole = allreduce_s(4 * n_params(shapes), n, gbit, alpha_us)
         return whole if iteration <= HOOK_START else whole / int(flag(mode, "--local-sgd-period"))
+    if flag(mode, "--hook") == "diloco":   # the fp32 pseudo-gradient, every H steps
+        return allreduce_s(4 * n_params(shapes), n, gbit, alpha_us) / int(
+            flag(mode, "--diloco-sync-every"))
     return sum((allgather_s if kind == "allgather" else allreduce_s)(b, n, gbit, alpha_us)
                for kind, b in mode_bytes(mode, rank, shapes))
 
