@@ -27,8 +27,9 @@ inner AdamW alone, and every ``--diloco-sync-every`` (H) steps the pseudo-gradie
 SGD (``--diloco-outer-lr`` 0.7, ``--diloco-outer-momentum`` 0.9, the paper's);
 ``--diloco-fragments F`` with ``--diloco-fragment-sync-delay`` is Streaming DiLoCo (the
 model in F fragments synced in turn, each sync overlapping that many inner steps). The
-replicas meet through a real ``torchft_lighthouse``: started and stopped here for local
-processes, ``--lighthouse ADDR`` for one of the launcher's.
+replicas meet through a real ``torchft_lighthouse``: rank 0 starts one on its host
+(reached at ``MASTER_ADDR``: local processes, torchrun, the benchmark's namespaces) and
+stops it at the end; ``--lighthouse ADDR`` names one already running.
 
 Same model (megatron-core ``GPTModel``, same init seeds), same data stream, same loss,
 the same learning-rate schedule (megatron-core's ``OptimizerParamScheduler``) and Adam
@@ -249,6 +250,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     from megatron_edgc.training.tokenizer import build_tokenizer
 
     init_worker(cfg, rank, world_size, local_rank)
+    stack = contextlib.ExitStack()   # DiLoCo's lighthouse on rank 0, until every rank is done
     try:
         parallel_state.initialize_model_parallel(1, 1)
         on_gpu = torch.cuda.is_available()
@@ -331,8 +333,16 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
             optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-        diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device) \
-            if kind == "diloco" else None
+        diloco = None
+        if kind == "diloco":
+            if opts.lighthouse is None:   # rank 0 starts one, where every rank reaches it
+                box = [None]
+                if rank == 0:
+                    box[0] = stack.enter_context(lighthouse(
+                        dp_size, os.environ.get("MASTER_ADDR", "127.0.0.1")))
+                dist.broadcast_object_list(box, src=0)
+                opts.lighthouse = box[0]
+            diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
@@ -453,8 +463,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
             print(f"summary | {summary['engine']} | val loss {val_loss:.4f} | "
                   f"{summary['ms_per_iter']:.1f} ms/iter | grad sync "
                   f"{summary['grad_sync_ms']:.1f} ms", flush=True)
+        if diloco is not None:
+            dist.barrier()
         return 0
     finally:
+        stack.close()
         shutdown_worker()
 
 
@@ -482,8 +495,8 @@ def main(argv=None) -> int:
     p.add_argument("--diloco-timeout-s", type=float, default=120.0,
                    help="DiLoCo: torchft's quorum and collective timeout")
     p.add_argument("--lighthouse", default=None,
-                   help="DiLoCo: the torchft lighthouse (http://HOST:PORT); default: one "
-                        "started for the local processes and stopped after")
+                   help="DiLoCo: a running torchft lighthouse (http://HOST:PORT); default: "
+                        "rank 0 starts one and stops it at the end")
     p.add_argument("--diloco-dump", default=None, metavar="DIR",
                    help="DiLoCo: save each rank's weights around every outer sync here")
     opts, rest = p.parse_known_args(argv)
@@ -524,16 +537,8 @@ def main(argv=None) -> int:
     import megatron_edgc.training.loop  # noqa: F401  (heavy imports once, before fork)
 
     if launch is not None:
-        if opts.hook == "diloco" and opts.lighthouse is None:
-            print("error: --lighthouse: a launched DiLoCo job needs the address of a running "
-                  "torchft_lighthouse", file=sys.stderr)
-            return 2
         return worker(cfg, opts, launch.rank, launch.world_size, launch.local_rank)
-    if opts.hook != "diloco" or opts.lighthouse is not None:
-        return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
-    with lighthouse(par.world_size) as address:
-        opts.lighthouse = address
-        return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
+    return spawn_local(functools.partial(worker, cfg, opts), par.world_size, par.master_port)
 
 
 def diloco_problem(opts):
@@ -559,9 +564,9 @@ def diloco_problem(opts):
 
 
 @contextlib.contextmanager
-def lighthouse(min_replicas: int):
-    """A ``torchft_lighthouse`` for ``min_replicas`` replica groups on a free port, its
-    address while the block runs; stopped after."""
+def lighthouse(min_replicas: int, host: str):
+    """A ``torchft_lighthouse`` for ``min_replicas`` replica groups on a free port of this
+    machine, its address as ``host`` names it while the block runs; stopped after."""
     import shutil
     import socket
     import subprocess
@@ -585,7 +590,7 @@ def lighthouse(min_replicas: int):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"torchft_lighthouse did not start (exit {proc.poll()})")
                 time.sleep(0.1)
-        yield f"http://localhost:{port}"
+        yield f"http://{host}:{port}"
     finally:
         proc.terminate()
         try:
