@@ -153,6 +153,15 @@ def model_fragments(model, count: int) -> list:
     return fragments
 
 
+def address_towards(peer: str) -> str:
+    """This machine's address on its route to ``peer`` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer), 9))
+        return s.getsockname()[0]
+
+
 class DiLoCoEngine:
     """torchft's DiLoCo on one DP rank: its own replica group (of one process), its own
     store, a ``Manager`` meeting the others at the lighthouse, ``DiLoCo`` hooked on the
@@ -173,11 +182,14 @@ class DiLoCoEngine:
         self.fragment_bytes = [sum(p.numel() * 4 for p in f.parameters())
                                for f in self.fragments]
         timeout = timedelta(seconds=opts.diloco_timeout_s)
-        self.store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
+        # the other replicas reach this one's store and manager at the address its route to
+        # rank 0 leaves from ("localhost" would name each host, or namespace, its own)
+        host = address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self.store = dist.TCPStore(host, 0, 1, is_master=True, wait_for_workers=False)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=dp_size,
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=dp_size, hostname=host,
             load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
-            replica_id=f"dp{dp_rank}", store_addr="localhost", store_port=self.store.port,
+            replica_id=f"dp{dp_rank}", store_addr=host, store_port=self.store.port,
             rank=0, world_size=1, lighthouse_addr=opts.lighthouse, timeout=timeout,
             quorum_timeout=timeout, connect_timeout=timeout,
             # every replica starts from the same seeded weights; torchft's step-0 sync
