@@ -336,7 +336,9 @@ def iterations_to(data: dict, target) -> dict:
 
 
 def spread(vals, spec=".1f", scale=1.0) -> str:
-    vals = [v * scale for v in vals if v is not None]
+    """median (min–max); "—" where nothing was measured (None, or NaN: DiLoCo has no
+    gradient sync)."""
+    vals = [v * scale for v in vals if v is not None and not numpy.isnan(v)]
     if not vals:
         return "—"
     med = format(float(numpy.median(vals)), spec)
