@@ -243,3 +243,39 @@ def test_orthonormalize_bound_and_strided_step_on_device():
             torch.cuda.set_sync_debug_mode(0)
     assert all(len(g.runs) == 1 for g in comp.groups.values())
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_model_parallel_groups_take_no_communicator_until_used():
+    """The trainer's start-up on CUDA: megatron-core's ~20 process groups hold no NCCL
+    communicator before their first collective. Bound to the device
+    (``init_process_group(device_id=...)``), each group got one at once: 7.1 GiB of an
+    H200 outside PyTorch's allocator for one rank (``bench/gpu_memory.py --bind-device``,
+    2026-11-28); unbound, 0. A fresh process: the figure is per process (NVML)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    if not DEVICE.startswith("cuda"):
+        pytest.skip("NCCL communicators: CUDA only")
+    code = (
+        "import json, types\n"
+        "from megatron.core import parallel_state\n"
+        "from megatron_edgc.runtime import device_memory\n"
+        "from megatron_edgc.training.loop import init_worker\n"
+        "cfg = types.SimpleNamespace(parallel=types.SimpleNamespace(distributed_backend=None),\n"
+        "                            allow_untested_megatron=False)\n"
+        "init_worker(cfg, 0, 1, 0)\n"
+        "parallel_state.initialize_model_parallel(1, 1)\n"
+        "device_memory.mark('after the model-parallel groups')\n"
+        "print(json.dumps(device_memory.marks()))\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outside = {m["moment"]: m["outside"] for m in json.loads(done.stdout.strip().splitlines()[-1])}
+    grown = outside["after the model-parallel groups"] - outside["with the CUDA context"]
+    assert grown < 0.25 * 2 ** 30, f"{grown / 2 ** 30:.2f} GiB of communicators before any use"

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron_edgc.model_shapes import padded_vocab_size
 from megatron_edgc.patches.cpu import apply_cpu_shims, model_parallel_cpu_manual_seed
-from megatron_edgc.runtime import lost_ranks
+from megatron_edgc.runtime import device_memory, lost_ranks
 from megatron_edgc.runtime.frontend import (IterationRecords, NonFiniteWeights,
                                             check_weights_finite, compute_device,
                                             guard_optimizer, is_logging_rank, log_rank0, lr_at,
@@ -60,6 +60,7 @@ class Trainer:
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=p.expert_model_parallel_size,
             num_distributed_optimizer_instances=p.num_distributed_optimizer_instances)
+        device_memory.mark("after the model-parallel groups")
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -71,6 +72,7 @@ class Trainer:
                                             cfg.model.make_vocab_size_divisible_by,
                                             p.tensor_model_parallel_size)
         self.bundle = build_model_and_optimizer(cfg, self.vocab_size, self.bf16, self.on_gpu)
+        device_memory.mark("after the model and optimizer")
         # a step whose reduced gradient is not finite is skipped (any --edgc-mode, off too)
         self.guard = guard_optimizer(self.bundle.optimizer, lambda: self.iteration + 1)
         self._wire_model_config()
@@ -193,6 +195,14 @@ class Trainer:
             skipped=not update_ok, tokens=t.global_batch_size * self.cfg.model.seq_length)
         return self.runtime.end_step(self.iteration, record)  # the controller decides here
 
+    def _report_device_memory(self) -> None:
+        """Once, after the first step: what the process holds outside the allocator."""
+        device_memory.mark("after the first step")
+        device_memory.reported = True
+        line = device_memory.format_marks()
+        if line and self.is_logger:
+            print(line, flush=True)
+
     @torch.no_grad()
     def evaluate(self):
         """The validation loss (a 0-dim tensor on the device, unread, on the last stage;
@@ -298,6 +308,8 @@ class Trainer:
                 record = self.train_step()
                 self.iteration += 1
                 it = self.iteration
+                if not device_memory.reported:
+                    self._report_device_memory()
                 if it % cfg.eval.eval_interval == 0 or it == t.train_iters:
                     record["val_loss"] = self.evaluate()   # read with the record
                 if it == t.train_iters and cfg.eval.last_word_examples:
@@ -410,12 +422,18 @@ def init_worker(cfg, rank: int, world_size: int, local_rank: int) -> None:
     if on_gpu:  # more local ranks than GPUs (gloo only: NCCL refuses two ranks on one GPU)
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        torch.cuda.init()
+        device_memory.mark("with the CUDA context")
     else:
         apply_cpu_shims(cfg.allow_untested_megatron)
     backend = cfg.parallel.distributed_backend or ("nccl" if on_gpu else "gloo")
+    # no device_id, as Megatron-LM's own initialize: bound, every group megatron-core makes
+    # got an NCCL communicator at once, used or not (6.5 GB of an H200 outside the allocator
+    # for one rank's ~20 groups, bench/gpu_memory.py); unbound, a group gets one at its first
+    # collective
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            store=_restart_safe_store(world_size),
-                            **({"device_id": device} if backend == "nccl" else {}))
+                            store=_restart_safe_store(world_size))
+    device_memory.mark("after the default process group")
 
 
 def _restart_safe_store(world_size: int):
