@@ -158,9 +158,14 @@ def slug(name: str) -> str:
     return name.replace(" ", "_").replace("/", "per")
 
 
+def eval_interval(iters: int) -> int:
+    """An evaluation every 20 iterations, every 5 % of a long run."""
+    return max(EVAL_EVERY, iters // 20) if iters >= 100 else iters
+
+
 def base_flags(iters: int, seed: int) -> list:
     return ["--config", os.path.join(ROOT, CONFIG), *PURE_DP, "--seed", str(seed),
-            "--eval-interval", str(max(EVAL_EVERY, iters // 20) if iters >= 100 else iters), "--eval-iters", "5",
+            "--eval-interval", str(eval_interval(iters)), "--eval-iters", "5",
             "--lr-warmup-iters", str(max(2, iters // 10))]
 
 
@@ -239,9 +244,11 @@ def timing_figures(records) -> dict:
             "compress_ms": steady(records, "dp_compress_ms", start)}
 
 
-def collect(out: str, loss_iters: int, time_iters: int) -> dict:
+def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = None) -> dict:
     """Every recorded run: ``{"loss": {mode: {seed: records}}, "time": {rate: {mode: [figs]}}}``
-    (all that is on disk, whatever the command line selected)."""
+    (all that is on disk, whatever the command line selected); the timing from ``time_dir``
+    where given (a long race's curves priced at the 200-iteration race's timing: the
+    per-iteration cost does not depend on the run's length)."""
     names = {slug(n): n for n in modes(loss_iters)}
     loss: dict = {}
     for path in sorted(glob.glob(os.path.join(out, "loss", "*_seed*.summary.json"))):
@@ -252,7 +259,8 @@ def collect(out: str, loss_iters: int, time_iters: int) -> dict:
                 read_run(os.path.splitext(path[:-len(".summary.json")])[0] + ".jsonl")[0]
     timing: dict = {}
     for rate in RATES:
-        for path in sorted(glob.glob(os.path.join(out, "time", rate, "*_rep*.summary.json"))):
+        for path in sorted(glob.glob(os.path.join(time_dir or out, "time", rate,
+                                                  "*_rep*.summary.json"))):
             stem = os.path.basename(path)[:-len(".summary.json")]
             mode, _ = stem.rsplit("_rep", 1)
             if mode in names:
@@ -376,8 +384,9 @@ def paired(ttt: dict, mode: str, other: str):
 def report(data: dict) -> tuple[str, dict]:
     target, old = target_loss(data), old_target_loss(data)
     iters_to = iterations_to(data, target)
+    n_seeds = max((len(v) for v in data["loss"].values()), default=0)
     lines = ["| link | mode | trained in | ms/iter | DP sync ms | DP MiB/iter | compress ms | "
-             f"final val loss ({len(SEEDS)} seeds) | iterations to target | time to target s | "
+             f"final val loss ({n_seeds} seeds) | iterations to target | time to target s | "
              "vs best peer of its precision, paired | vs static r_max, paired | "
              "time to old target s |", "|---" * 13 + "|"]
     verdicts = {}
@@ -394,7 +403,7 @@ def report(data: dict) -> tuple[str, dict]:
         verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
         for mode in modes(200):
             figs = data["time"][rate].get(mode)
-            if not figs:
+            if not figs or not data["loss"].get(mode):   # timed, no curve of this length
                 continue
             prec = precision(mode)
             finals = [final_val(r) for r in data["loss"].get(mode, {}).values()]
@@ -441,6 +450,9 @@ def main() -> int:
                    help="loss curves of these seeds (the report reads every recorded one)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "peers"))
+    p.add_argument("--time-from", default=None, metavar="DIR",
+                   help="read the timing runs from DIR (a long race priced at the "
+                        "200-iteration race's timing: --time-from bench/results/peers)")
     args = p.parse_args()
     if args.loss_iters < 2 * EVAL_EVERY:
         p.error(f"--loss-iters: must be >= {2 * EVAL_EVERY} (got {args.loss_iters})")
@@ -453,7 +465,7 @@ def main() -> int:
                 return 0
         if args.phase in ("all", "time"):
             run_timing(args.out, args.time_iters, args.modes, args.rates, args.repeats)
-    data = collect(args.out, args.loss_iters, args.time_iters)
+    data = collect(args.out, args.loss_iters, args.time_iters, args.time_from)
     table, verdicts = report(data)
     target, old = target_loss(data), old_target_loss(data)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
@@ -467,7 +479,7 @@ def main() -> int:
             f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, args.seeds))}, an evaluation "
-            f"every {EVAL_EVERY}, on loopback. Timing: {args.time_iters} iterations per link "
+            f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} iterations per link "
             f"(tbf-shaped veth per rank), {args.repeats} repetitions; ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
             f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
@@ -478,8 +490,14 @@ def main() -> int:
             f"product's) trained in the same precision, and EDGC against static PowerSGD at "
             f"r_max of its precision; a range spanning 1 is no difference.\n\n"
             + table + "\n\n<!-- notes -->")
-    write_section("peers", "Against the peers a user would run instead: time to a target "
-                  "loss", "sudo .venv/bin/python bench/peers.py", body)
+    long_run = args.loss_iters != 200   # a long race: its own section beside the race's
+    write_section("peers" if not long_run else f"peers_{args.loss_iters}",
+                  "Against the peers a user would run instead: time to a target loss"
+                  + (f", {args.loss_iters} iterations" if long_run else ""),
+                  "sudo .venv/bin/python bench/peers.py" + (
+                      f" --loss-iters {args.loss_iters} --out {os.path.relpath(args.out, ROOT)}"
+                      f" --time-from {os.path.relpath(args.time_from, ROOT)} --report-only"
+                      if long_run and args.time_from else ""), body)
     print(table)
     return 0
 
