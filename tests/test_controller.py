@@ -25,6 +25,15 @@ def make(num_stages=2, **kw):
     return RankController(settings, [RankModel(1920, 7680)] * num_stages)
 
 
+def test_gds_measures_every_round_one_over_alpha_th_iteration_of_each_window():
+    """GDS's iteration sampling (EDGC §4): iterations 0, 1/α, 2/α, ... of every window."""
+    assert [i for i in range(45) if make(window=20, iter_sample_rate=0.1).should_measure(i)] \
+        == [0, 10, 20, 30, 40]
+    assert [i for i in range(14) if make(window=7, iter_sample_rate=0.25).should_measure(i)] \
+        == [0, 4, 7, 11]
+    assert all(make(window=3, iter_sample_rate=1.0).should_measure(i) for i in range(9))
+
+
 def test_warmup_ends_after_k_stable_windows():
     # Entropy falls for 30 iterations, then is flat: window means -0.2, -0.7, -1.2, -1.5,
     # -1.5, -1.5; windows 4 and 5 are the first two stable ones, so warm-up ends at 60.

@@ -55,13 +55,7 @@ def test_sampler_draws_one_element_per_stratum_in_order():
     assert hits.std().item() < 12 and hits.min().item() > 40
 
 
-def test_iteration_sampling():
-    s = GradientSampler(100, iter_sample_rate=0.1)
-    assert [i for i in range(30) if s.should_sample(i)] == [0, 10, 20]
-    assert all(GradientSampler(100, iter_sample_rate=1.0).should_sample(i) for i in range(5))
-
-
-@pytest.mark.parametrize("bad", [dict(iter_sample_rate=0), dict(grad_sample_rate=1.5),
+@pytest.mark.parametrize("bad", [dict(grad_sample_rate=1.5),
                                  dict(estimator="kde")])
 def test_bad_rates(bad):
     with pytest.raises(ValueError):

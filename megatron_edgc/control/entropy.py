@@ -63,31 +63,25 @@ def estimate_entropy(sample: torch.Tensor, estimator: str = "gaussian") -> float
 
 
 class GradientSampler:
-    """Which iterations and which gradient elements of one stage are measured.
+    """Which gradient elements of one stage are measured (which iterations: the
+    controller's :meth:`~megatron_edgc.control.controller.RankController.should_measure`).
 
     ``numel`` is the number of gradient elements of the stage (this rank's shard);
     indices depend only on ``(seed, window)``, so all DP ranks draw the same set.
     """
 
-    def __init__(self, numel: int, *, iter_sample_rate: float = 0.1,
-                 grad_sample_rate: float = 0.25, seed: int = 0, estimator: str = "gaussian"):
-        if not 0 < iter_sample_rate <= 1:
-            raise ValueError(f"iter_sample_rate must be in (0, 1], got {iter_sample_rate}")
+    def __init__(self, numel: int, *, grad_sample_rate: float = 0.25, seed: int = 0,
+                 estimator: str = "gaussian"):
         if not 0 < grad_sample_rate <= 1:
             raise ValueError(f"grad_sample_rate must be in (0, 1], got {grad_sample_rate}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown entropy estimator {estimator!r}")
         self.numel = int(numel)
-        self.every = max(1, round(1 / iter_sample_rate))
         self.grad_sample_rate = grad_sample_rate
         self.seed = seed
         self.estimator = estimator
         self._window = None
         self._indices: Optional[torch.Tensor] = None
-
-    def should_sample(self, iteration_in_window: int) -> bool:
-        """Measure on iterations 0, every, 2·every, ... of each window."""
-        return iteration_in_window % self.every == 0
 
     def indices(self, window: int, device=None) -> Optional[torch.Tensor]:
         """The window's element indices on ``device`` (None = all elements, when β = 1).

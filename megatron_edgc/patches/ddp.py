@@ -48,8 +48,8 @@ from megatron_edgc.patches.dp_pipeline import BucketPipeline
 from megatron_edgc.patches.dp_plans import BucketPlan
 from megatron_edgc.patches.dp_stats import DPSyncStats
 from megatron_edgc.patches.megatron_buckets import (BUCKET_ATTRIBUTES, GROUP_ATTRIBUTES,
-                                                    Reduction, bucket_grad_bytes,
-                                                    copy_extra_main_grads, instances_stream,
+                                                    Reduction, copy_extra_main_grads,
+                                                    instances_stream,
                                                     is_first_batch, megatron_sync_bytes,
                                                     reduction_group, require_attributes,
                                                     stream_context)
@@ -328,12 +328,6 @@ class DPGradientCompression:
     def state_bytes(self) -> int:
         """Error-feedback residuals and warm-start Q of this rank at the current rank."""
         return sum(p.compressor.state_bytes() for p in self.plans.values())
-
-    def dense_bytes_per_iteration(self) -> int:
-        return sum(bucket_grad_bytes(p.bucket) for p in self.plans.values())
-
-    def compressed_bytes_per_iteration(self) -> int:
-        return sum(sum(p.compressor.collective_bytes()) for p in self.plans.values())
 
     # ------------------------------------------------------------------ state
 

@@ -77,8 +77,7 @@ class EdgcDriver:
         self.cfg, self.dp_compression, self.p2p = cfg, dp_compression, p2p
         self.stage, self.num_stages, self.device = stage, num_stages, device
         self.entropy = SampledEntropy({
-            key: GradientSampler(grad.numel(), iter_sample_rate=e.iter_sample_rate,
-                                 grad_sample_rate=e.grad_sample_rate,
+            key: GradientSampler(grad.numel(), grad_sample_rate=e.grad_sample_rate,
                                  seed=cfg.training.seed * 7919 + i, estimator=e.entropy)
             for i, (key, grad) in enumerate(dp_compression.bucket_grads())},
             estimator=e.entropy, moments=e.grad_stats)
@@ -101,7 +100,7 @@ class EdgcDriver:
                 dataclasses.replace(self.settings, rank_max=e.pp_rank_max,
                                     rank_min=e.pp_rank_min), [RankModel(n, m)])
             self.pp_entropy = SampledEntropy({"pp": GradientSampler(
-                n * m, iter_sample_rate=e.iter_sample_rate, grad_sample_rate=e.grad_sample_rate,
+                n * m, grad_sample_rate=e.grad_sample_rate,
                 seed=cfg.training.seed * 7919 + 7, estimator=e.entropy)}, estimator=e.entropy)
         self.control = self._make_control(chunks, pipeline, lr_at=lr_at, optimizer=optimizer)
         # --edgc-grad-stats (the entropy study): each bucket's parameters by layer type.
@@ -115,7 +114,6 @@ class EdgcDriver:
         self._measuring = False
         self._window = 0
         self.entropy_ms = self.full_entropy_ms = 0.0
-        self.last_entropies: Optional[list] = None
         self.dp_table: list = [None] * num_stages   # the DP ranks in force (DAC applied)
         self.pp_rank: Optional[int] = None
         self.table_version = 0
@@ -194,7 +192,6 @@ class EdgcDriver:
             self._type_sums.zero_()
         self.entropy_ms = 0.0
         self.full_entropy_ms = 0.0
-        self.last_entropies = None
         # The DP rank of this iteration: the table, or DAC's two-rank probe after warm-up.
         self.dp_compression.set_rank(
             self.control.rank_in_force(iteration, self.dp_table, self.stage))
@@ -270,7 +267,6 @@ class EdgcDriver:
             self.control.observe(iteration, entropies, pp_entropy)
             if self.pp_entropy is not None:
                 record["entropy_pp"] = pp_entropy
-            self.last_entropies = entropies
             if self._typed_grads is not None:
                 record.update(grad_stats(self.entropy.power_sums(), self._type_sums,
                                          stage=self.stage, num_stages=self.num_stages,
