@@ -315,21 +315,30 @@ class ErrorFeedback:
                 for a, b in self.slices(lo, hi, g, self.temporaries(view.device)):
                     self.add_residual(view[a - lo:b - lo], g.residual[a:b], alpha)
 
+    def _fp32_blocks(self, g: ShapeGroup, views: list, temporaries: int):
+        """``(a, b, out, target)`` over the group: an fp32 run is its own ``out`` (``target``
+        None); a run in another dtype gives fp32 slices of :func:`scratch` (``out``,
+        uninitialized, valid until the next block) beside ``target``, its slice of the
+        gradients, with ``temporaries`` fp32 copies of a slice within the workspace."""
+        for lo, hi, view in views:
+            if view.dtype == torch.float32:
+                yield lo, hi, view, None
+                continue
+            for a, b in self.slices(lo, hi, g, temporaries):
+                target = view[a - lo:b - lo]
+                yield a, b, scratch(target.numel(), view.device).view(target.shape), target
+
     def blocks(self, g: ShapeGroup, views: list, alpha: float = 1.0):
         """``(a, b, M, target)``: ``M`` ([b - a, n, m], fp32) of matrices ``a..b``; an fp32
         run holds ``M`` itself (``target`` None), another dtype gives ``M = float(G) + E``
         per slice (in :func:`scratch`, valid until the next block) and ``target``, its
         slice of the gradients. Each product forms it again instead of holding a copy of
         the gradients."""
-        for lo, hi, view in views:
-            if view.dtype == torch.float32:
-                yield lo, hi, view, None
-                continue
-            for a, b in self.slices(lo, hi, g, 4 + self.temporaries(view.device)):
-                target = view[a - lo:b - lo]
-                m = scratch(target.numel(), view.device).view(target.shape).copy_(target)
-                self.add_residual(m, g.residual[a:b], alpha)
-                yield a, b, m, target
+        temporaries = 4 + self.temporaries(g.residual.device)
+        for a, b, m, target in self._fp32_blocks(g, views, temporaries):
+            if target is not None:
+                self.add_residual(m.copy_(target), g.residual[a:b], alpha)
+            yield a, b, m, target
 
     def project(self, g: ShapeGroup, views: list, basis: torch.Tensor,
                 transposed: bool) -> torch.Tensor:
@@ -394,14 +403,9 @@ class ErrorFeedback:
         rounding). ``M`` is not formed: the residual was taken in
         :meth:`project_and_take`."""
         c, d = result
-        for lo, hi, view in views:
-            if view.dtype == torch.float32:
-                view.baddbmm_(c[lo:hi], d[lo:hi].transpose(1, 2), beta=0)
-                continue
-            for a, b in self.slices(lo, hi, g, 4):
-                target = view[a - lo:b - lo]
-                out = scratch(target.numel(), view.device).view(target.shape)
-                out.baddbmm_(c[a:b], d[a:b].transpose(1, 2), beta=0)
+        for a, b, out, target in self._fp32_blocks(g, views, 4):
+            out.baddbmm_(c[a:b], d[a:b].transpose(1, 2), beta=0)
+            if target is not None:
                 target.copy_(out)
 
 
