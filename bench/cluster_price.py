@@ -225,6 +225,8 @@ def table(result: dict, n: int) -> str:
         "|" + "---|" * (3 + 3 * len(LINKS))]
     for mode in MODES:
         rows = {r["gbit"]: r for r in result["rows"] if r["mode"] == mode and r["gpus"] == n}
+        if not rows and "no loss run" in str(result["unpriced"].get(mode)):
+            continue   # a mode not in this race (a long race runs the closest only)
         if not rows:
             lines.append(f"| {mode} | — | not priced: {result['unpriced'].get(mode)} |"
                          + " — |" * (3 * len(LINKS)))
