@@ -216,12 +216,33 @@ class Ports:
     kernel's ephemeral range (no ``connect()`` or ``bind(0)`` of a running job, NCCL's and
     gloo's included, can take one meanwhile) and checked free by a bind. ``free_port()``
     (bind 0, release, let the job bind it later) races: two jobs started together got the
-    same port on the H200 (EADDRINUSE)."""
+    same port on the H200 (EADDRINUSE). Each checklist holds a block of :data:`BLOCK` ports
+    of its own (a ``flock`` on a file per block, released when the process ends): two
+    checklists at once on one machine took the same port from the same start (the H200,
+    2026-11-28)."""
+
+    BLOCK = 400
 
     def __init__(self, start: int | None = None):
         self.end = ephemeral_range()[0]
-        self.next = start or max(1024, self.end - 8000)
+        self.next = start or self._claim_block(max(1024, self.end - 8000))
         self.lock = threading.Lock()
+
+    def _claim_block(self, base: int) -> int:
+        """The first block from ``base`` no other process of this machine holds."""
+        import fcntl
+
+        for block in range((self.end - base) // self.BLOCK):
+            fh = open(os.path.join(tempfile.gettempdir(), f"edgc-gpu-check-ports-{block}.lock"),
+                      "w")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                fh.close()
+                continue
+            self._held = fh   # held while this checklist runs
+            return base + block * self.BLOCK
+        raise RuntimeError(f"every block of ports below {self.end} is held")
 
     def take(self) -> int:
         with self.lock:

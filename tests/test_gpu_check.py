@@ -40,6 +40,17 @@ def test_ports_are_distinct_free_and_outside_the_ephemeral_range():
         assert ports.take() == held + 1
 
 
+def test_two_checklists_take_ports_from_blocks_of_their_own():
+    """Each checklist (here two allocators, each with its own lock on its block, as two
+    processes have) starts in a block the other does not hold: 2 x 100 ports, no overlap."""
+    gpu_check = load_gpu_check()
+    first, second = gpu_check.Ports(), gpu_check.Ports()
+    a = {first.take() for _ in range(100)}
+    b = {second.take() for _ in range(100)}
+    assert len(a) == len(b) == 100 and not a & b
+    assert abs(min(b) - min(a)) >= gpu_check.Ports.BLOCK
+
+
 def test_modes_configs_and_variants_parse_as_comma_lists():
     gpu_check = load_gpu_check()
     modes = gpu_check.csv_list(gpu_check.MODES)
