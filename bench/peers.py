@@ -435,6 +435,42 @@ def report(data: dict) -> tuple[str, dict]:
     return "\n".join(lines), verdicts
 
 
+LEVEL_FRACTIONS = (0.1, 0.25, 0.5, TARGET_FRACTION)
+
+
+def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
+    """Time to each of several losses, the median (min–max) over seeds × repetitions:
+    dense fp32's validation loss at each ``fraction`` of its run (the highest over the
+    seeds; the last is the race's target), so a long race says which mode gets to a
+    loose loss first and which to a tight one. The fastest at each loss and link in bold
+    (of the modes that reached it on every seed)."""
+    levels = [target_loss(data, f) for f in fractions]
+    lines = ["| link | mode | " + " | ".join(
+        f"s to {lv:.4f} (dense at {f:.0%})" for f, lv in zip(fractions, levels)) + " |",
+        "|---" * (2 + len(levels)) + "|"]
+    for rate in RATES:
+        if rate not in data["time"] or None in levels:
+            continue
+        per_level = [times_to_target(data, rate, lv) for lv in levels]
+        best = []
+        for ttt in per_level:
+            done = {m: numpy.median(list(v.values())) for m, v in ttt.items()
+                    if v and None not in v.values()}
+            best.append(min(done, key=done.get) if done else None)
+        for mode in modes(200):
+            if mode not in per_level[0]:
+                continue
+            cells = []
+            for ttt, fastest in zip(per_level, best):
+                vals = list(ttt[mode].values())
+                cell = spread(vals) if None not in vals else \
+                    f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
+                cells.append(f"**{cell}**" if mode == fastest else cell)
+            lines.append(f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | "
+                         f"{mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -489,7 +525,10 @@ def main() -> int:
             f"Ratios pair seeds × repetitions against the fastest peer (a mode not this "
             f"product's) trained in the same precision, and EDGC against static PowerSGD at "
             f"r_max of its precision; a range spanning 1 is no difference.\n\n"
-            + table + "\n\n<!-- notes -->")
+            + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
+                       "of its run), priced the same way; the fastest median in bold, a spread overlapping "
+                       "another's is no difference:\n\n" + levels_table(data)
+                       if args.loss_iters != 200 else "") + "\n\n<!-- notes -->")
     long_run = args.loss_iters != 200   # a long race: its own section beside the race's
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",
                   "Against the peers a user would run instead: time to a target loss"
