@@ -4,9 +4,9 @@
     python bench/gpu_memory.py [--out FILE.json]
 
 A bare ``torch.distributed`` NCCL job of one rank, in the order the trainer meets them: the
-CUDA context, the default process group (NCCL; ``--bind-device`` binds it to the device, as the
-trainer did before issue 66), its first collective, megatron-core's model-parallel groups, a collective on each of
-them (one NCCL communicator each), a cuBLAS matrix product (bf16 and fp32) and a batched
+CUDA context, the default process group (NCCL; ``--bind-device`` binds it to the device, as
+the trainer did before issue 66), its first collective, megatron-core's model-parallel
+groups, a collective on each of them (one NCCL communicator each), a cuBLAS matrix product (bf16 and fp32) and a batched
 cuSOLVER Cholesky (the orthonormalization's). Each moment's memory outside the allocator
 is :mod:`megatron_edgc.runtime.device_memory`'s (NVML's per-process figure where it
 imports); the trainer prints the same moments after its first step, so the two read side

@@ -526,8 +526,9 @@ def main() -> int:
             f"product's) trained in the same precision, and EDGC against static PowerSGD at "
             f"r_max of its precision; a range spanning 1 is no difference.\n\n"
             + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
-                       "of its run), priced the same way; the fastest median in bold, a spread overlapping "
-                       "another's is no difference:\n\n" + levels_table(data)
+                       "of its run), priced the same way; the fastest median in bold, a "
+                       "spread overlapping another's is no difference:\n\n"
+                       + levels_table(data)
                        if args.loss_iters != 200 else "") + "\n\n<!-- notes -->")
     long_run = args.loss_iters != 200   # a long race: its own section beside the race's
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",
