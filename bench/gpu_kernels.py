@@ -180,8 +180,7 @@ def time_entropy(mats, rest: int, device, timer, repeats, warmup,
                  grad_sample_rate: float = 0.25, iter_sample_rate: float = 0.1) -> dict:
     numel = sum(n * m for n, m in mats) + rest
     flat = torch.randn(numel, device=device)
-    sampler = GradientSampler(numel, grad_sample_rate=grad_sample_rate,
-                              iter_sample_rate=iter_sample_rate)
+    sampler = GradientSampler(numel, grad_sample_rate=grad_sample_rate)
     sampler.sample(flat, 0)  # draws and moves the window's indices once
     ms = timer(lambda: estimate_entropy(sampler.sample(flat, 0)), repeats, warmup)
     return {"numel": numel, "grad_sample_rate": grad_sample_rate,

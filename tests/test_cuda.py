@@ -245,6 +245,7 @@ def test_orthonormalize_bound_and_strided_step_on_device():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.cuda_only
 def test_model_parallel_groups_take_no_communicator_until_used():
     """The trainer's start-up on CUDA: megatron-core's ~20 process groups hold no NCCL
     communicator before their first collective. Bound to the device
