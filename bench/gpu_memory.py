@@ -6,8 +6,8 @@
 A bare ``torch.distributed`` NCCL job of one rank, in the order the trainer meets them: the
 CUDA context, the default process group (NCCL; ``--bind-device`` binds it to the device, as
 the trainer did before issue 66), its first collective, megatron-core's model-parallel
-groups, a collective on each of them (one NCCL communicator each), a cuBLAS matrix product (bf16 and fp32) and a batched
-cuSOLVER Cholesky (the orthonormalization's). Each moment's memory outside the allocator
+groups, a collective on each of them (one NCCL communicator each), a cuBLAS matrix product
+(bf16 and fp32) and a batched cuSOLVER Cholesky (the orthonormalization's). Each moment's memory outside the allocator
 is :mod:`megatron_edgc.runtime.device_memory`'s (NVML's per-process figure where it
 imports); the trainer prints the same moments after its first step, so the two read side
 by side. CUDA only.
@@ -102,8 +102,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['moment']:55s} {r['held'] / gib:9.3f} {r['reserved'] / gib:9.3f} "
               f"{r['outside'] / gib:9.3f}  {r['source']}")
-    env = {k: os.environ.get(k) for k in ("NCCL_BUFFSIZE", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE",
-                                          "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING")}
+    env = {k: os.environ.get(k) for k in ("NCCL_BUFFSIZE", "NCCL_NVLS_ENABLE",
+                                          "NCCL_CUMEM_ENABLE", "CUBLAS_WORKSPACE_CONFIG",
+                                          "CUDA_MODULE_LOADING")}
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "env": env,
               "bind_device": args.bind_device, "groups": list(groups), "moments": rows}

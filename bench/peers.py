@@ -511,11 +511,13 @@ def main() -> int:
                    "final_val": {m: {s: final_val(r) for s, r in v.items()}
                                  for m, v in data["loss"].items()}}, fh, indent=1)
     fmt = lambda v: "—" if v is None else format(v, ".4f")  # noqa: E731
+    long_run = args.loss_iters != 200   # a long race: its own section beside the race's
     body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
             f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, args.seeds))}, an evaluation "
-            f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} iterations per link "
+            f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} "
+            f"iterations per link "
             f"(tbf-shaped veth per rank), {args.repeats} repetitions; ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
             f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
@@ -528,9 +530,7 @@ def main() -> int:
             + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
                        "of its run), priced the same way; the fastest median in bold, a "
                        "spread overlapping another's is no difference:\n\n"
-                       + levels_table(data)
-                       if args.loss_iters != 200 else "") + "\n\n<!-- notes -->")
-    long_run = args.loss_iters != 200   # a long race: its own section beside the race's
+                       + levels_table(data) if long_run else "") + "\n\n<!-- notes -->")
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",
                   "Against the peers a user would run instead: time to a target loss"
                   + (f", {args.loss_iters} iterations" if long_run else ""),

@@ -277,6 +277,7 @@ def test_model_parallel_groups_take_no_communicator_until_used():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    outside = {m["moment"]: m["outside"] for m in json.loads(done.stdout.strip().splitlines()[-1])}
+    marks = json.loads(done.stdout.strip().splitlines()[-1])
+    outside = {m["moment"]: m["outside"] for m in marks}
     grown = outside["after the model-parallel groups"] - outside["with the CUDA context"]
     assert grown < 0.25 * 2 ** 30, f"{grown / 2 ** 30:.2f} GiB of communicators before any use"

@@ -112,8 +112,8 @@ def test_dry_run_passes_every_check(tmp_path):
             "e2e-tiny-cpu-edgc", "gloo4-static-dp", "gloo4-edgc-pp", "kernels",
             "sync"} <= checks.keys()
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                                "-m", "not cuda_only", "tests/test_cuda.py"], cwd=ROOT, capture_output=True,
-                               text=True, env={**os.environ, "EDGC_TEST_DEVICE": "cpu"})
+                                "-m", "not cuda_only", "tests/test_cuda.py"], cwd=ROOT,
+                               capture_output=True, text=True, env={**os.environ, "EDGC_TEST_DEVICE": "cpu"})
     count = sum(1 for line in collected.stdout.splitlines() if "::" in line)
     assert count >= 10 and f"{count} passed" in checks["unit"]["summary"]
     off, static, edgc = (checks[f"e2e-tiny-cpu-{m}"] for m in ("off", "static", "edgc"))

@@ -17,7 +17,6 @@ import os
 import torch
 
 _MARKS: list = []   # (moment, process bytes, allocator-reserved bytes, source)
-reported = False    # the trainer prints the line once
 
 
 def _process_bytes():

@@ -198,7 +198,6 @@ class Trainer:
     def _report_device_memory(self) -> None:
         """Once, after the first step: what the process holds outside the allocator."""
         device_memory.mark("after the first step")
-        device_memory.reported = True
         line = device_memory.format_marks()
         if line and self.is_logger:
             print(line, flush=True)
@@ -302,13 +301,14 @@ class Trainer:
         self.records.writers = [MetricsWriter(lg.metrics_file, lg.tensorboard_dir,
                                               self.is_logger, resume_from=self.iteration)]
         history = []
+        first = self.iteration + 1   # this process's first step: the memory line after it
         start_time = time.perf_counter()
         try:
             while self.iteration < t.train_iters:
                 record = self.train_step()
                 self.iteration += 1
                 it = self.iteration
-                if not device_memory.reported:
+                if it == first:
                     self._report_device_memory()
                 if it % cfg.eval.eval_interval == 0 or it == t.train_iters:
                     record["val_loss"] = self.evaluate()   # read with the record
