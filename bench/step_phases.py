@@ -161,8 +161,8 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
         except OSError:
             pass
     out["groups"] = [(g.n, g.m, len(g.indices)) for g in comp.groups.values()]
-    first, second = comp.collective_bytes()
-    out.update(wire_bytes=first + second, dense_bytes=comp.dense_numel() * 4,
+    out.update(wire_bytes=sum(comp.wire_bytes()),
+               dense_bytes=sum(n * m for _, (n, m) in comp.entries) * 4,
                compressed_matrices=sum(len(g.indices) for g in comp.groups.values()))
     return out
 

@@ -181,14 +181,14 @@ def inject_overflow(trainer, at: int) -> list:
                 scaled = plan.bucket.grad_data.float() * ddp.DPGradientCompression._scaling(
                     group, plan)
                 grads = plan.grads(scaled)
-                units = comp.ef.units
-                ratio = 1.0 if units is None or comp.loss_scale is None \
-                    else float(comp.loss_scale / units)
+                # E is kept net of the loss scale: M = G + s·E
+                ratio = 1.0 if comp.loss_scale is None else float(comp.loss_scale)
                 for shape, g in comp.groups.items():
                     entry = {"key": plan.key, "shape": shape,
                              "bucket_finite": bool(torch.isfinite(scaled).all()),
-                             "M": torch.stack([grads[i] for i in g.indices])
-                             + g.residual.float() * ratio,
+                             # in E's units (net of the scale)
+                             "M": torch.stack([grads[i] for i in g.indices]) / ratio
+                             + g.residual.float(),
                              "E_before": g.residual.float().clone(), "Q_before": g.q.clone()}
                     by_plan.setdefault(plan.key, []).append((g, entry))
                     captures.append(entry)

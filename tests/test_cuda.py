@@ -36,7 +36,7 @@ def exact_fp32_matmul():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def simulated_step(compressors, grads_per_rank):
+def simulated_step(compressors, grads_per_rank, applied=True):
     """One compressed all-reduce over simulated DP ranks (the collectives are sums)."""
     firsts = [c.start(g) for c, g in zip(compressors, grads_per_rank)]
     reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
@@ -44,6 +44,8 @@ def simulated_step(compressors, grads_per_rank):
     reduced_q = [sum(parts) for parts in zip(*qs)]
     for c, (_, step) in zip(compressors, firsts):
         c.finish(step, [b.clone() for b in reduced_q])
+        if applied is not None:   # the optimizer's outcome (None: left unreported)
+            c.after_step(applied)
 
 
 def decaying_spectrum(n, m, decay, seed, device):

@@ -178,6 +178,7 @@ def test_force_all_reduce_runs_megatrons_dense_sync_with_the_whole_error(one_pro
     groups = list(plan.compressor.groups.values())
     residuals, qs = [g.residual.clone() for g in groups], [g.q.clone() for g in groups]
     assert all(r.abs().sum() > 0 for r in residuals)
+    comp.after_step(applied=True)   # the optimizer's outcome (the runtime reports it)
 
     comp.set_iteration(1)
     fresh = torch.randn(bucket.grad_data.shape, generator=gen)

@@ -11,7 +11,7 @@ from megatron_edgc.compression.powersgd import BucketCompressor
 from rounding import assert_within_rounding, rounded_once_bound, two_paths_bound
 
 
-def simulated_step(compressors, grads_per_rank):
+def simulated_step(compressors, grads_per_rank, applied=True):
     """One compressed all-reduce over simulated DP ranks; returns bytes of the collectives."""
     firsts = [c.start(g) for c, g in zip(compressors, grads_per_rank)]
     reduced = [sum(parts) for parts in zip(*(bufs for bufs, _ in firsts))]
@@ -20,6 +20,8 @@ def simulated_step(compressors, grads_per_rank):
     reduced_q = [sum(parts) for parts in zip(*qs)]
     for c, (_, step) in zip(compressors, firsts):
         c.finish(step, [b.clone() for b in reduced_q])
+        if applied is not None:   # the optimizer's outcome (None: left unreported)
+            c.after_step(applied)
     return sum(b.numel() * b.element_size() for b in reduced + reduced_q)
 
 
@@ -109,7 +111,7 @@ def test_replicas_identical_and_error_feedback_conserves_mass():
     assert torch.allclose(grads[0][3], sum(originals[rk][3] for rk in range(world)), atol=1e-6)
     # Bytes: (n+m) r per compressed matrix, the bias dense, one flag element.
     assert bytes_sent == 4 * (2 * (64 + 128) * r + (128 + 64) * r + 64 + 1)
-    assert bytes_sent == sum(comps[0].collective_bytes())
+    assert bytes_sent == sum(comps[0].wire_bytes())
 
 
 def test_rank_change_resizes_q_keeps_residual():
@@ -266,7 +268,7 @@ def test_bf16_factors_halve_the_factor_bytes_at_fp32_error():
     comp = BucketCompressor(entries, r, factor_dtype=torch.bfloat16)
     p_numel = 2 * 96 * r + 64 * r
     q_numel = 2 * 64 * r + 256 * r
-    assert b16["sent"] == 2 * p_numel + 4 * (64 + 1) + 2 * q_numel == sum(comp.collective_bytes())
+    assert b16["sent"] == 2 * p_numel + 4 * (64 + 1) + 2 * q_numel == sum(comp.wire_bytes())
     assert f32["sent"] == 4 * (p_numel + 64 + 1 + q_numel)
     # bf16 rounding (2^-8 relative) is far below rank-4 compression error: per step and
     # for the accumulated update (error feedback) the two agree closely
@@ -293,7 +295,7 @@ def test_bf16_factor_buffer_layouts(entries):
     assert [b.dtype for b in bufs] == ([torch.bfloat16] if has_p else []) + (
         [torch.float32] if has_dense else [])
     sent = simulated_step(comps, grads)
-    assert sent == sum(comps[0].collective_bytes())
+    assert sent == sum(comps[0].wire_bytes())
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
     dense_out = [g for g, (_, s) in zip(grads[0], entries) if s[0] == 1]
     assert all(torch.equal(a, b) for a, b in zip(dense_out, dense_sum))   # dense rest exact
@@ -316,7 +318,7 @@ def test_bf16_dense_wire_joins_the_factors_collective(factor_dtype):
         gs = [[g.clone() for g in rank] for rank in grads]
         bufs, _ = comps[0].start([g.clone() for g in gs[0]])
         sent = simulated_step(comps, gs)
-        assert sent == sum(comps[0].collective_bytes())
+        assert sent == sum(comps[0].wire_bytes())
         assert all(torch.equal(a, b) for rank in gs[1:] for a, b in zip(gs[0], rank))
         out[dense_dtype] = dict(buffers=len(bufs), dtypes=[b.dtype for b in bufs],
                                 sent=sent, grads=gs[0])
@@ -411,11 +413,12 @@ def test_in_place_finish_equals_the_textbook_products(rank):
                 q = reduced_q[off:off + k * m * rank].view(k, m, rank)
                 off += k * m * rank
                 want[key] = (torch.bmm(step.p_hat[key], q.transpose(1, 2)),
-                             m_held[key] - torch.bmm(step.p_hat[key],
-                                                     step.q_sent[key].transpose(1, 2)))
+                             m_held[key] - torch.bmm(step.p_hat[key], step.q_local[key].to(
+                                 c.factor_dtype).float().transpose(1, 2)))
             expected.append(want)
         for c, (_, step), gs, want in zip(comps, firsts, grads, expected):
             c.finish(step, [reduced_q.clone()])
+            c.after_step(applied=True)
             for key, g in c.groups.items():
                 approx, residual = want[key]
                 assert torch.allclose(g.residual, residual, rtol=0, atol=2e-6)
@@ -545,7 +548,7 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, gra
     residual = sum(g.residual.numel() * g.residual.element_size()
                    for g in comp.groups.values()) / 2**20
     factors = sum(len(g.indices) * (g.n + g.m) * 8 * 4 * 4 for g in comp.groups.values())
-    factors = factors / 2**20 + sum(comp.collective_bytes()) * 2 / 2**20
+    factors = factors / 2**20 + sum(comp.wire_bytes()) * 2 / 2**20
     workspace = max(64.0, 0.05 * residual)
 
     def transient(fn):
@@ -562,7 +565,7 @@ def test_step_transient_memory_is_factors_plus_a_bounded_workspace(ef_dtype, gra
         g.normal_()
     if grad_dtype == torch.float16:   # the scaler halved the scale since E was formed
         comp.loss_scale = torch.tensor([512.0])
-    step = transient(lambda: simulated_step([comp], [grads]))
+    step = transient(lambda: simulated_step([comp], [grads], applied=None))
     assert residual > 2 * (factors + workspace)          # the bound is a real test
     assert step <= factors + workspace, (step, factors, workspace, residual)
     skip = transient(lambda: comp.after_step(applied=False))

@@ -49,9 +49,10 @@ class SlowHopCluster:
         return [shard[pc.start - lo:pc.start - lo + pc.numel].view(pc.shape)
                 for pc in self.pieces[k]]
 
-    def step(self, grads):
+    def step(self, grads, applied=True):
         """``grads[t][k]``: each rank's whole-bucket gradient. Returns each rank's shard
-        after the sync, ``out[t, k]``."""
+        after the sync, ``out[t, k]``; ``applied``: the optimizer's outcome reported to
+        every compressor (None: left unreported)."""
         n, s = self.n_inst, self.s
         shards = {}
         for t in range(n):   # the instance's reduce-scatter of the gradients
@@ -89,6 +90,9 @@ class SlowHopCluster:
             self.slow_hop_numel[k] += sum(b.numel() for b in bufs)
             for t in range(n):
                 self.comps[t, k].finish(started[t, k][1], [b.clone() for b in bufs])
+        if applied is not None:
+            for comp in self.comps.values():
+                comp.after_step(applied)
         return shards
 
     def residual_sum(self):
@@ -126,6 +130,7 @@ def flat_step(comp, matrices, grads, dense_at):
     total = dense.masked_fill(dense_at, 0.0)
     bufs, step = comp.start(transposed_views(total, matrices))
     comp.finish(step, comp.middle(step, bufs))
+    comp.after_step(applied=True)
     return torch.where(dense_at, dense, total)
 
 
@@ -205,10 +210,10 @@ def test_slow_hop_carries_own_rows_and_one_q_per_instance(s):
         rows = sum(pc.shape[0] * r for pc in cluster.pieces[k] if pc.row_block)
         dense = sum(pc.numel for pc in cluster.pieces[k] if not pc.row_block)
         expected = rows + dense + 1 + lq_padded // s
-        assert cluster.slow_hop_numel[k] == expected == sum(comp.collective_bytes()) // 4
+        assert cluster.slow_hop_numel[k] == expected == sum(comp.wire_bytes()) // 4
         assert sum(comp.wire_bytes()) == 4 * expected
     # one column factor per instance: its elements on the slow hop do not grow with s
-    assert sum(cluster.comps[0, k].collective_bytes()[0] for k in range(s)) == 4 * lq_padded
+    assert sum(sum(cluster.comps[0, k].phase_bytes()[0]) for k in range(s)) == 4 * lq_padded
 
 
 @pytest.mark.parametrize("at", [5, 1265], ids=["in-a-matrix-of-shard-0",
@@ -272,6 +277,7 @@ def test_spectrum_is_the_instances_column_energies():
         qs = [f.middle(st[1], summed) for f, st in zip(flats, started)]
         for f, st in zip(flats, started):
             f.finish(st[1], [sum(parts) for parts in zip(*qs)])
+            f.after_step(applied=True)
     shard = {}
     for comp in cluster.comps.values():
         for shape, (total, cols, _) in comp.spectrum.items():
@@ -312,7 +318,7 @@ def test_a_bucket_without_a_compressed_matrix_syncs_exactly():
 def test_a_shard_of_bucket_padding_takes_part():
     """A shard with no piece (only the bucket's padding) still runs both phases."""
     comp = ShardCompressor([], [], [("w", (64, 32))], 4, 2)
-    assert comp.shares_factor() and comp.collective_bytes() == (4 * comp.slice_numel(), 4)
+    assert comp.shares_factor() and tuple(map(sum, comp.phase_bytes())) == (4 * comp.slice_numel(), 4)
     (p_full,), step = comp.start([])
     assert p_full.abs().sum() == 0
     bufs = comp.middle(step, [p_full])

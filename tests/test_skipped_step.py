@@ -166,7 +166,7 @@ def skip_case(buckets, apply_rule=True):
     m = [[[gs[i] + residual_of(c, i) for i in range(len(ENTRIES))]
           for c, gs in zip(comps, grads)] for comps, grads in zip(buckets, second)]
     for comps, grads in zip(buckets, second):
-        simulated_step(comps, grads)
+        simulated_step(comps, grads, applied=None)
         if apply_rule:
             for c in comps:
                 c.after_step(applied=False)
@@ -232,7 +232,7 @@ def test_the_slow_hop_keeps_what_a_skipped_step_did_not_apply():
     shards = cluster.step([[g.clone() for g in inst] for inst in g1])
     out1 = cluster.whole(shards)
     g2 = random_grads(2, 2, cluster.total, seed=1)
-    cluster.step([[g.clone() for g in inst] for inst in g2])
+    cluster.step([[g.clone() for g in inst] for inst in g2], applied=None)
     for comp in cluster.comps.values():
         comp.after_step(applied=False)
     total = sum(g for grads in (g1, g2) for inst in grads for g in inst)

@@ -7,8 +7,9 @@ half the residual's bytes). Where they do not (a CPU converts bf16 in software: 
 error-feedback round trip measured 1.3–1.6× fp32's on an AMD EPYC, the whole compressed
 step 1.75× on an Intel Xeon, BENCHMARKS.md "The error feedback's dtype per device"), it
 costs time every step and saves only host memory, which a host has. So ``auto`` times the
-round trip the step does on the residual — ``M = G + E`` formed, ``E = M − A Bᵀ`` kept
-(:class:`~megatron_edgc.compression.kernels.ErrorFeedback` ``form`` and ``take``) — on
+round trip the step does on the residual — ``M = G + E`` formed (``form``), then the
+local factor and ``E = M − A Bᵀ`` taken in one pass (``project_and_take``, at rank 4:
+its product is not what is compared; :class:`~megatron_edgc.compression.kernels.ErrorFeedback`) — on
 the model's largest matrices, in both dtypes, and keeps bf16 where it costs at most
 :data:`BF16_MAX_COST` of fp32's for the device's kind: on a GPU, whose memory the state
 competes for, up to 2× (the H200's bf16 step cost 2.4 ms more of a 3.4 s iteration at
@@ -45,8 +46,7 @@ def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
     group.residual = torch.randn(count, n, m, device=device, generator=gen).to(ef_dtype)
     source = torch.randn(count, n, m, device=device, generator=gen).to(grad_dtype)
     grads = torch.empty_like(source)
-    sent = (torch.randn(count, n, _RANK, device=device, generator=gen),
-            torch.randn(count, m, _RANK, device=device, generator=gen))
+    basis = torch.randn(count, n, _RANK, device=device, generator=gen)
     keep = torch.zeros((), dtype=torch.bool, device=device)
     ef = ErrorFeedback(ef_dtype, 64 << 20)
     cuda = device.type == "cuda"
@@ -60,7 +60,7 @@ def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
         else:
             t0 = time.perf_counter()
         ef.form(group, views)
-        ef.take(group, views, keep, sent)
+        ef.project_and_take(group, views, basis, True, keep, torch.float32)
         if cuda:
             end.record()
             end.synchronize()

@@ -9,7 +9,8 @@ A step has the same pieces whichever side the shared factor is on:
   (:meth:`ErrorFeedback.project`, ``transposed`` says which);
 * the orthonormalization (:func:`~megatron_edgc.compression.orthonormal.orthonormalize`);
 * the second product, the local factor rounded as it goes on the wire, and the residual
-  taken against it, in one pass (:meth:`ErrorFeedback.project_and_take`);
+  taken against it, in one pass, under the message's non-finite rule
+  (:meth:`ErrorFeedback.project_and_take`);
 * the packing of a phase's buffers and the split of the summed ones (:class:`WireLayout`,
   whose :meth:`~WireLayout.bytes` are the byte counts: one object packs and counts);
 * the decompression written over the gradients (:meth:`ErrorFeedback.write_result`);
@@ -57,7 +58,6 @@ class Step:
     views: dict = field(default_factory=dict)  # group key -> [(lo, hi, gradients view), ...]
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal shared factor
     q_local: dict = field(default_factory=dict)  # group key -> this rank's other factor
-    q_sent: dict = field(default_factory=dict)   # q_local as it went on the wire (rounded)
     nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
     #: float [1] on the device: the summed P finite, the matrices whose orthonormal basis
     #: stood in for a failed factorization or came out non-finite (the same on every
@@ -84,17 +84,6 @@ def factor_failure(p: torch.Tensor, p_hats: Sequence[torch.Tensor],
     if not bad:
         return torch.zeros(1, device=p.device)
     return (torch.isfinite(p).all().float() * torch.stack(bad).sum()).view(1)
-
-
-def taking_bad(nonfinite: torch.Tensor, p_hats: Sequence[torch.Tensor]) -> torch.Tensor:
-    """bool ``[1]``, on the device: where a step's residuals are not taken (``E`` kept bit
-    for bit): the first SUM flagged a non-finite value, or an orthonormal basis came out
-    non-finite (from finite gradients: a failed factorization; the summed ``Q`` is then
-    NaN too, and the step is left non-finite)."""
-    finite = [torch.isfinite(h).all() for h in p_hats]
-    if not finite:
-        return nonfinite
-    return nonfinite | torch.stack(finite).all().logical_not().view(1)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
@@ -227,9 +216,15 @@ class ErrorFeedback:
     """Error feedback in the gradient buffer, and the products and the end of a step that
     read ``M`` through it.
 
-    fp32 gradient runs hold ``M = G + E`` from :meth:`form` to :meth:`project_and_take`,
-    then the residual until :meth:`write_result`. Runs in another dtype (bf16 and fp16
-    buffers) keep ``G``; :meth:`blocks` forms ``M = float(G) + E`` per slice in the kept
+    ``E`` is kept in the gradients' own units, net of any loss scale (docs/method.md,
+    "Error feedback under a loss scale"): a step at scale ``s`` reads ``M = G + s·E`` and
+    takes ``E = (M - A Bᵀ) / s``, so ``E`` means the same whatever the scale or the
+    precision of the run that reads it. Without a scaler ``s`` is 1 and neither product
+    by it is made.
+
+    fp32 gradient runs hold ``M`` from :meth:`form` to :meth:`project_and_take`, then the
+    residual until :meth:`write_result`. Runs in another dtype (bf16 and fp16 buffers)
+    keep ``G``; :meth:`blocks` forms ``M = float(G) + s·E`` per slice in the kept
     workspace (:func:`scratch`), once per product — twice a step — so products and
     residual are the fp32 ones and only the result written back is rounded. A residual in
     another dtype than fp32 (``ef_dtype``) is cast per slice likewise.
@@ -238,43 +233,26 @@ class ErrorFeedback:
     def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):
         self.ef_dtype = ef_dtype
         self.workspace_bytes = workspace_bytes
-        #: float ``[1]`` on the device: the loss scale the residuals are expressed in
-        #: (None: no loss scaler, or none seen yet — the residuals are then zero)
-        self.units: Optional[torch.Tensor] = None
-        #: this step's loss scale (None: no loss scaler) and ``scale / units``, the factor
-        #: every read of ``E`` applies (None: 1, the residual read as it is)
+        #: this step's loss scale, float ``[1]`` on the device (None: no scaler, 1), and
+        #: its inverse, the factor a residual is taken with (set by the unit's ``begin``)
         self.scale: Optional[torch.Tensor] = None
-        self.ratio: Optional[torch.Tensor] = None
-
-    # ------------------------------------------------------------------ loss-scale units
+        self.inv_scale: Optional[torch.Tensor] = None
 
     def begin(self, loss_scale: Optional[torch.Tensor]) -> None:
-        """A step at ``loss_scale`` (float ``[1]`` on the device, the loss scaler's; None
-        without one) begins: ``E``, kept in the units of the scale it was formed at, is
-        read as ``E · scale / units`` (docs/method.md, "Error feedback under a loss
-        scale"). A device division, no host read; where the scale has not changed the
-        ratio is exactly 1 and ``G + 1·E`` is ``G + E`` bit for bit."""
+        """A step at ``loss_scale`` (float ``[1]`` on the device; None without a scaler):
+        ``E`` is read as ``s·E`` and taken as ``(M - A Bᵀ)/s``. A device division, no host
+        read."""
         self.scale = loss_scale
-        self.ratio = None if loss_scale is None or self.units is None \
-            else loss_scale / self.units
-
-    def commit(self, bad: Optional[torch.Tensor]) -> None:
-        """The step's residuals are taken (in this step's units) where ``bad`` is not set:
-        their units become this step's scale; where set they kept theirs."""
-        if self.scale is None:
-            return
-        self.units = self.scale.clone() if self.units is None or bad is None \
-            else torch.where(bad, self.units, self.scale)
-        self.ratio = None
+        self.inv_scale = None if loss_scale is None else loss_scale.reciprocal()
 
     def add_residual(self, out: torch.Tensor, residual: torch.Tensor,
                      alpha: float = 1.0) -> None:
-        """``out += alpha · E`` in this step's units (:meth:`begin`): one pass, no
-        temporary (``addcmul`` with the device ratio)."""
-        if self.ratio is None:
+        """``out += alpha · s · E`` in this step's units: one pass, no temporary
+        (``addcmul`` with the device scale)."""
+        if self.scale is None:
             out.add_(residual, alpha=alpha)
         else:
-            out.addcmul_(residual, self.ratio if alpha == 1.0 else self.ratio * alpha)
+            out.addcmul_(residual, self.scale if alpha == 1.0 else self.scale * alpha)
 
     @staticmethod
     def views(g: ShapeGroup, grads: Sequence[torch.Tensor]) -> list:
@@ -356,15 +334,21 @@ class ErrorFeedback:
         """The second product and the residual in one pass over ``M``: per block the local
         factor ``L`` (``Mᵀ B``, ``[k, m, r]``, where ``transposed``; else ``M B``), ``L``
         rounded to ``factor_dtype`` as it goes on the wire, then the residual against the
-        rounded factor (``E = M - B Lᵀ``, or ``M - L Bᵀ``; :meth:`take`). ``M`` is read for
-        the last time here: a low-precision buffer forms it twice per step, not three
-        times, and its end (:meth:`write_result`) forms it no more.
+        rounded factor (``E = (M - B Lᵀ)/s``, or ``(M - L Bᵀ)/s``). ``M`` is read for the
+        last time here: a low-precision buffer forms it twice per step, not three times,
+        and its end (:meth:`write_result`) forms it no more.
 
-        Returns ``(L, L as sent (fp32, rounded), Σ‖M‖²)`` (the energy in float64, read
-        before ``M`` becomes the residual; None without ``energy``)."""
+        The non-finite rule of a message (docs/reliability.md): a matrix keeps ``E`` bit
+        for bit where ``bad`` (bool ``[1]``: what the step received is not finite) or
+        where its own local factor as sent is not finite (an overflow from finite ``M``
+        and ``B``, or a non-finite basis). Returns ``(L, L as sent (fp32, rounded),
+        kept, Σ‖M‖²)``: ``kept`` bool ``[k, 1, 1]`` on the device, the energy in float64,
+        read before ``M`` becomes the residual (None without ``energy``)."""
         rows = g.m if transposed else g.n
-        local = torch.empty(len(g.indices), rows, basis.shape[2], device=basis.device)
+        k = len(g.indices)
+        local = torch.empty(k, rows, basis.shape[2], device=basis.device)
         sent = local if factor_dtype == torch.float32 else torch.empty_like(local)
+        kept = torch.empty(k, 1, 1, dtype=torch.bool, device=basis.device)
         total = None
         for a, b, m, target in self.blocks(g, views):
             if energy:
@@ -373,28 +357,28 @@ class ErrorFeedback:
             torch.bmm(m.transpose(1, 2) if transposed else m, basis[a:b], out=local[a:b])
             if sent is not local:
                 sent[a:b].copy_(local[a:b].to(factor_dtype))
+            finite = torch.isfinite(sent[a:b]).view(b - a, -1).all(1).view(-1, 1, 1)
+            torch.logical_or(finite.logical_not(), bad.view(1, 1, 1), out=kept[a:b])
             outer = (basis[a:b], sent[a:b]) if transposed else (sent[a:b], basis[a:b])
-            self._take_block(g, a, b, m, target, bad, outer)
-        return local, sent, total
-
-    def take(self, g: ShapeGroup, views: list, bad: torch.Tensor, sent: tuple) -> None:
-        """``E = M - A Bᵀ`` (``(A, B) = sent``) where ``bad`` is not set; ``E`` kept bit for
-        bit where it is."""
-        for a, b, m, target in self.blocks(g, views):
-            self._take_block(g, a, b, m, target, bad, (sent[0][a:b], sent[1][a:b]))
+            self._take_block(g, a, b, m, target, kept[a:b], outer)
+        return local, sent, kept, total
 
     def _take_block(self, g: ShapeGroup, lo: int, hi: int, m: torch.Tensor, target,
-                    bad: torch.Tensor, outer: tuple) -> None:
-        """``M -= A Bᵀ`` in the block's ``M`` (an fp32 buffer's run: the gradients then
-        hold the residual until :meth:`write_result`), selected into ``E[lo:hi]``."""
+                    kept: torch.Tensor, outer: tuple) -> None:
+        """``M -= A Bᵀ`` (then ``/= s``) in the block's ``M`` (an fp32 buffer's run: the
+        gradients then hold the residual until :meth:`write_result`), selected into
+        ``E[lo:hi]`` where ``kept`` (``[hi - lo, 1, 1]``) is not set."""
         m.baddbmm_(outer[0], outer[1].transpose(1, 2), alpha=-1)
+        if self.inv_scale is not None:
+            m.mul_(self.inv_scale)
         temps = self.temporaries(m.device) if target is None else 0
         for a, b in self.slices(lo, hi, g, temps):
+            keep = kept[a - lo:b - lo]
             if self.ef_dtype == torch.float32:
-                torch.where(bad, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
+                torch.where(keep, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
             else:   # M, no longer needed, takes the selection: no fp32 copy
                 new = m[a - lo:b - lo]
-                torch.where(bad, g.residual[a:b], new, out=new)
+                torch.where(keep, g.residual[a:b], new, out=new)
                 g.residual[a:b].copy_(new)
 
     def write_result(self, g: ShapeGroup, views: list, result: tuple) -> None:

@@ -23,9 +23,10 @@ One step for a bucket, on every DP rank ``i``::
     Q    = sum Q                        warm start for the next step
 
 Memory: the step makes no copy of the gradients. ``M`` is formed in the gradient buffer
-(which the step overwrites anyway), ``E`` is only read until the end, where the new
-residual is computed in the gradient buffer and selected into ``E``; then ``P^ Qᵀ`` is
-written over it. The matrices of a shape group are addressed as strided ``[k, n, m]``
+(which the step overwrites anyway); ``E`` is read when ``M`` is formed and written once,
+in the pass of the second product, where the new residual is computed in the gradient
+buffer (or a workspace slice) and selected into ``E``; then ``P^ Qᵀ`` is written over
+the buffer. The matrices of a shape group are addressed as strided ``[k, n, m]``
 views of the gradient buffer (:func:`strided_runs`: equally spaced matrices, as in
 Megatron's buffer where every layer has the same layout, make one view), so every product
 is one batched call per shape group, with no ``[k, n, m]`` temporary. What a step
@@ -75,7 +76,7 @@ from typing import Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, split_factors, taking_bad)
+                                               factor_failure, split_factors)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -142,7 +143,8 @@ class BucketCompressor(LowRankState):
     def middle(self, step: Step, reduced: Sequence[torch.Tensor]) -> list:
         """After the first SUM: orthonormalize P, ``Q = Mᵀ P^``, and the residual
         ``E = M - P^ Qᵀ`` against ``Q`` as it goes on the wire, selected into ``E`` where
-        the summed flag is clear (:meth:`ErrorFeedback.project_and_take`); the dense rest
+        the summed flag is clear and the matrix's ``Q`` as sent is finite (a non-finite ``P^``
+        gives a NaN ``Q``: :meth:`ErrorFeedback.project_and_take`); the dense rest
         into its gradients. Returns the buffers of the second SUM (``[Q]`` in the factor
         dtype, or none). Runs whatever the summed flag says."""
         first, second = self.layouts()
@@ -154,7 +156,7 @@ class BucketCompressor(LowRankState):
             step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
         hats = list(step.p_hat.values())
         step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
-        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), True)
+        wire = self._take_residuals(step, step.nonfinite, True)
         copy_dense_back(step.grads, self.dense_indices, dense)
         return second.pack(wire, [], p_buf.device)
 
@@ -165,7 +167,7 @@ class BucketCompressor(LowRankState):
         value, or the summed Q is not finite (every rank sees it alike), the decompressed
         gradients are NaN and the warm start keeps its value bit for bit; ``E`` kept its
         own in :meth:`middle` where the first SUM's flag was set, and a step flagged only
-        here is one the optimizer skips (:meth:`after_step` then takes the sent part back,
+        here is one the optimizer skips (:meth:`after_step` then gives the sent part back,
         ``E = M``)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, taking_bad)
+                                               factor_failure)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
 from megatron_edgc.compression.orthonormal import orthonormalize
@@ -237,7 +237,7 @@ class ShardCompressor(LowRankState):
         for key, g in self.groups.items():
             step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(
                 len(g.indices), g.m, self._rank_for(g))
-        wire = self._take_residuals(step, taking_bad(step.nonfinite, hats), False)
+        wire = self._take_residuals(step, step.nonfinite, False)
         return self.second_layout().pack(wire, step.dense, device,
                                          also_nonfinite=step.nonfinite)
 

@@ -3,7 +3,8 @@
 
 A capture holds what a :class:`~megatron_edgc.compression.powersgd.BucketCompressor` step
 read — each shape group's gradients ``G`` (before the error feedback is added), residual
-``E``, warm start ``Q``, rank, dtypes — and the two summed factors it received from its
+``E`` (net of the loss scale), warm start ``Q``, rank, dtypes, the step's loss scale
+``s`` (1 without a scaler: ``M = G + s·E``) — and the two summed factors it received from its
 collectives. From that one rank's capture, :func:`replay` reruns the step on any device
 with no collective, phase by phase, the orthonormalization stage by stage, so the first
 phase whose output is not finite can be named where the failure happened (a GPU) and
@@ -34,8 +35,10 @@ class StepCapture:
     def __init__(self, comp, grads: Sequence[torch.Tensor], **about):
         self.comp = comp
         self._p_sums: list = []   # each group's summed P, on the step's device
+        scale = comp.loss_scale
         self.record = dict(about, factor_dtype=str(comp.factor_dtype),
-                           ef_dtype=str(comp.ef_dtype), groups=[])
+                           ef_dtype=str(comp.ef_dtype), groups=[],
+                           loss_scale=1.0 if scale is None else _copy(scale.float().view(1)))
         for key, g in comp.groups.items():
             self.record["groups"].append(dict(
                 key=key, names=list(g.names), n=g.n, m=g.m, rank=comp._rank_for(g),
@@ -78,11 +81,14 @@ class StepCapture:
 
 def replay(record: dict, device="cpu") -> list:
     """``[(group key, phase, finite)]`` of every phase of the captured step rerun on
-    ``device``, in order: the inputs, ``M = G + E``, this rank's ``P``, the captured sum,
+    ``device``, in order: the inputs, ``M = G + s·E`` (``s``: the step's loss scale), this
+    rank's ``P``, the captured sum,
     the orthonormalization's four stages, this rank's ``Q``, the captured sum, the residual
     and the decompressed gradient."""
     out = []
     factor_dtype = _DTYPES[record["factor_dtype"]]
+    scale = record.get("loss_scale", 1.0)   # a capture of before issue 71: 1
+    scale = scale.to(device) if isinstance(scale, torch.Tensor) else scale
     for g in record["groups"]:
         def see(phase, x, key=g["key"]):
             out.append((key, phase, bool(torch.isfinite(x).all())))
@@ -91,8 +97,8 @@ def replay(record: dict, device="cpu") -> list:
         see("input: gradient G", grad)
         see("input: residual E", residual)
         see("input: warm start Q", q)
-        m = grad.float() + residual.float()
-        see("M = G + E", m)
+        m = grad.float() + residual.float() * scale
+        see("M = G + s·E", m)
         p = torch.bmm(m, q.float())
         see("P = M Q (this rank)", p)
         see("P on the wire (factor dtype)", p.to(factor_dtype))
@@ -105,8 +111,8 @@ def replay(record: dict, device="cpu") -> list:
         q_local = torch.bmm(m.transpose(1, 2), p_hat)
         see("Q = Mᵀ P^ (this rank)", q_local)
         q_sent = q_local.to(factor_dtype).float()
-        see("M - P^ Qᵀ (the new residual)", torch.baddbmm(m, p_hat, q_sent.transpose(1, 2),
-                                                         alpha=-1))
+        see("(M - P^ Qᵀ)/s (the new residual)",
+            torch.baddbmm(m, p_hat, q_sent.transpose(1, 2), alpha=-1) / scale)
         if "q_sum" not in g:
             continue
         q_sum = g["q_sum"].to(device).float()

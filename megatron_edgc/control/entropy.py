@@ -164,10 +164,16 @@ class SampledEntropy:
         self._samples = []
         self._power_sums = None
 
-    def add(self, key, flat_grad: torch.Tensor, window: int) -> None:
+    def add(self, key, flat_grad: torch.Tensor, window: int,
+            scale: Optional[torch.Tensor] = None) -> None:
         """Sample ``flat_grad`` (the chunk ``key``, window ``window``'s index set) and
-        reduce the sample into the key's slot; device work only."""
+        reduce the sample into the key's slot; device work only. ``scale``: the loss scale
+        the gradients carry (float ``[1]`` on the device; None: 1): the sample is taken
+        net of it, so the entropy is the gradients' own whatever the scale (a Gaussian's
+        would move by ``ln s`` at every change of an fp16 run's scale)."""
         sample = self.samplers[key].sample(flat_grad, window).float()
+        if scale is not None:
+            sample = sample / scale
         if sample.numel() == 0:
             return
         if self.estimator == "histogram":

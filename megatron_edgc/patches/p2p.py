@@ -234,6 +234,12 @@ def install_schedule_adapter() -> str:
     return form
 
 
+def _device() -> torch.device:
+    """The device the pipeline's messages are on (megatron-core's: the current GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 class CompressingP2PCommunicator(_P2PBase):
     """Megatron's communicator with backward sends compressed at the shared PP rank.
 
@@ -400,8 +406,7 @@ class CompressingP2PCommunicator(_P2PBase):
                 tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                 recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
                 wait_on_reqs=wait_on_reqs)
-        config, device = self.config, torch.device(
-            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        config, device = self.config, _device()
         send_start = self.timer.stamp() if self.timer and tensor_send_prev is not None else None
         send_prev = tensor_send_prev
         if tensor_send_prev is not None:
@@ -482,6 +487,6 @@ class CompressingP2PCommunicator(_P2PBase):
         self.senders = {}
         for chunk, sender_state in state["senders"].items():
             sender = self._new_sender(chunk, sender_state["rank"])
-            sender.load_state_dict(sender_state)
+            sender.load_state_dict(sender_state, _device())   # wherever it was mapped
             self.senders[chunk] = sender
 

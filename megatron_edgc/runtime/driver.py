@@ -110,6 +110,10 @@ class EdgcDriver:
                 key: [(LAYER_TYPES.index(layer_type(name)), p) for name, p in params]
                 for key, params in dp_compression.bucket_params()}
         self._type_sums = torch.zeros(len(LAYER_TYPES), 3, dtype=torch.float64, device=device)
+        self._powers = torch.arange(3, dtype=torch.float64, device=device)
+        #: the loss scale of this step's gradients (fp16's scaler, float ``[1]`` on the
+        #: device; None without one), set by the runtime: GDS measures net of it
+        self.loss_scale: Optional[torch.Tensor] = None
         self._full_entropies: list = []
         self._measuring = False
         self._window = 0
@@ -161,24 +165,30 @@ class EdgcDriver:
     # ------------------------------------------------------------------ per iteration
 
     def _probe(self, key: str, grad: torch.Tensor) -> None:
+        """GDS's sample of a bucket's gradients before its sync, net of the loss scale
+        (:attr:`loss_scale`), as everything measured on the gradients."""
+        scale = self.loss_scale
         if self._measuring:
             t0 = time.perf_counter()
-            self.entropy.add(key, grad.view(-1), self._window)
+            self.entropy.add(key, grad.view(-1), self._window, scale)
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
             if self._typed_grads is not None:
                 for t, p in self._typed_grads[key]:
-                    self._type_sums[t] += power_sums(p.main_grad, order=2)
+                    sums = power_sums(p.main_grad, order=2)
+                    self._type_sums[t] += sums if scale is None else \
+                        sums / scale.double() ** self._powers
             self.control.see_gradient(key)
         if self.cfg.edgc.entropy_reference:
             t0 = time.perf_counter()
-            self._full_entropies.append(grad.detach().view(-1).float().clone())  # pre-sync
+            full = grad.detach().view(-1).float().clone()  # pre-sync
+            self._full_entropies.append(full if scale is None else full.div_(scale))
             self.full_entropy_ms += (time.perf_counter() - t0) * 1e3
 
     def _pp_probe(self, grad: torch.Tensor) -> None:
         if self._measuring:
             t0 = time.perf_counter()
             self.pp_entropy.reset()  # the step's last probed message is its sample
-            self.pp_entropy.add("pp", grad.detach().reshape(-1), self._window)
+            self.pp_entropy.add("pp", grad.detach().reshape(-1), self._window, self.loss_scale)
             self.entropy_ms += (time.perf_counter() - t0) * 1e3
 
     def before_step(self, iteration: int) -> None:

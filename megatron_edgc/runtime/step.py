@@ -180,6 +180,8 @@ class EdgcRuntime:
             self.p2p.loss_scale = self._step_scale
         if self.dp_compression is not None:
             self.dp_compression.set_loss_scale(self._step_scale)
+        if self.edgc is not None:   # GDS measures the gradients net of the scale
+            self.edgc.loss_scale = self._step_scale
             self.dp_compression.set_iteration(iteration)
         if self.edgc is not None:
             self.edgc.before_step(iteration)
