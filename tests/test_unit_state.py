@@ -1,0 +1,353 @@
+"""One owner for a compressed unit's state (issue 71, ``compression/unit_state.py``), in
+one process: each seam where the state used to be lost or misread — a rank change with a
+skip (flat and slow hop), a resume in another precision (both ways), a load mapped to
+another device (DP and PP), an overflowing local factor, a save after a step whose
+outcome never came, the entropy under a changing scale, the replay's units. DP ranks are
+simulated by summing tensors, as in ``test_powersgd.py``."""
+
+import io
+
+import pytest
+import torch
+
+from megatron_edgc.compression.activation import ActivationGradSender
+from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.compression.step_capture import StepCapture, replay
+from megatron_edgc.control.entropy import GradientSampler, SampledEntropy
+from megatron_edgc.patches import ddp
+from test_host_sync import compression_of, fake_ddp_chunk, one_process_group  # noqa: F401
+from test_powersgd import simulated_step
+from test_shard_powersgd import SlowHopCluster, random_grads
+
+ENTRIES = [("a", (64, 64)), ("b", (64, 32)), ("bias", (1, 64))]
+
+
+def grads_of(seed, ranks=2, entries=ENTRIES):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, m, generator=gen) for _, (n, m) in entries] for _ in range(ranks)]
+
+
+def pending_of(c) -> dict:
+    """The residuals a compressor holds for matrices gone dense (read by the name the code
+    of before issue 71 gave them too, so that these tests fail there on what they assert)."""
+    return c.state.pending if hasattr(c, "state") else c._pending_flush
+
+
+def residual(c, name):
+    """``name``'s residual in compressor ``c``: its group's, or its pending one (fp32)."""
+    for g in c.groups.values():
+        if name in g.names and g.residual is not None:
+            return g.residual[g.names.index(name)].float()
+    pending = pending_of(c).get(name)
+    return None if pending is None else pending.float()
+
+
+def relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def mapped(state, device="cpu"):
+    """A checkpoint's round trip: saved, then loaded with ``map_location``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location=device, weights_only=False)
+
+
+# ---------------------------------------------------------------------- a rank change
+
+def test_a_rank_change_then_a_skip_loses_no_residual():
+    """``a (64×64)``, ``b (64×32)`` at rank 4, two applied steps; then ``b``'s shape at rank
+    16 (dense: ``(64 + 32)·16·2 > 64·32``) and a skipped step: ``b``'s residual, handed to
+    the dense rest, survives the skip bit for bit, ``a``'s is ``M`` (the rule); the next
+    applied step delivers it. Over the whole sequence, what the applied steps delivered
+    plus every rank's residual is every gradient (the skipped step's dense rest apart,
+    dropped as Megatron's dense skip drops it)."""
+    comps = [BucketCompressor(ENTRIES, 4, seed=0) for _ in range(2)]
+    delivered = {name: 0.0 for name, _ in ENTRIES}
+    total = {name: 0.0 for name, _ in ENTRIES}
+
+    def step(seed, applied):
+        grads = grads_of(seed)
+        for j, (name, _) in enumerate(ENTRIES):
+            if applied or name == "a":   # a skipped step's dense rest is dropped
+                total[name] = total[name] + sum(g[j] for g in grads)
+        simulated_step(comps, grads, applied=applied)
+        if applied:
+            for j, (name, _) in enumerate(ENTRIES):
+                delivered[name] = delivered[name] + grads[0][j]
+
+    step(1, True)
+    step(2, True)
+    before = [residual(c, "b").clone() for c in comps]
+    for c in comps:
+        c.set_rank(4, {(64, 32): 16})
+    assert all(torch.equal(pending_of(c)["b"], e) for c, e in zip(comps, before))
+    m_a = [grads_of(3)[r][0] + residual(c, "a") for r, c in enumerate(comps)]
+    step(3, False)
+    for c, e, m in zip(comps, before, m_a):
+        assert torch.equal(pending_of(c)["b"], e)   # carried by the skipped message, kept
+        assert relative(residual(c, "a"), m) < 1e-6
+    step(4, True)
+    assert all(not pending_of(c) for c in comps)    # delivered with the applied step
+    for c in comps:   # b compressed again: its residual (zero now) back in a group
+        c.set_rank(4)
+        c.prepare()
+    step(5, True)
+    for name, _ in ENTRIES:
+        held = sum(residual(c, name) if residual(c, name) is not None else 0.0
+                   for c in comps)
+        assert relative(delivered[name] + held, total[name]) < 1e-5, name
+
+
+def test_a_matrix_compressed_again_takes_its_pending_residual_back():
+    """A pending residual of a matrix that is compressed again before any message carried
+    it goes back into its group's ``E`` (it moves with the matrix)."""
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    simulated_step([comp], grads_of(1, ranks=1))
+    e_b = residual(comp, "b").clone()
+    comp.set_rank(4, {(64, 32): 16})
+    comp.set_rank(4)
+    comp.prepare()
+    assert not pending_of(comp)
+    assert torch.equal(residual(comp, "b"), e_b)
+
+
+def test_the_slow_hop_keeps_a_residual_gone_dense_through_a_skip():
+    """The slow hop's shards: a shape gone dense at a rank change hands its row blocks'
+    residuals to the dense rest; a skipped step keeps them, the next applied one delivers
+    them exactly (the dense rest is summed exactly)."""
+    cluster = SlowHopCluster(2, 2, rank=2)
+    for seed in (0, 1):
+        cluster.step(random_grads(2, 2, cluster.total, seed=seed))
+    dense_shape = (24, 16)   # w0 and w2: dense at rank 6 ((24 + 16)·6·2 > 24·16)
+    for comp in cluster.comps.values():
+        comp.set_rank(2, {dense_shape: 6})
+    pending = {tk: {k: v.clone() for k, v in pending_of(c).items()}
+               for tk, c in cluster.comps.items()}
+    assert sum(len(p) for p in pending.values()) >= 4
+    cluster.step(random_grads(2, 2, cluster.total, seed=2), applied=False)
+    for tk, comp in cluster.comps.items():
+        assert pending_of(comp).keys() == pending[tk].keys()
+        assert all(torch.equal(pending_of(comp)[k], v) for k, v in pending[tk].items())
+    grads = random_grads(2, 2, cluster.total, seed=3)
+    plain = sum(g for inst in grads for g in inst)
+    out = cluster.whole(cluster.step(grads))
+    assert all(not pending_of(c) for c in cluster.comps.values())
+    carried = torch.zeros(cluster.total)
+    for (t, k), p in pending.items():
+        for pc in cluster.pieces[k]:
+            if pc.name in p:
+                carried[pc.start:pc.start + pc.numel] += p[pc.name].reshape(-1)
+    where = carried != 0
+    assert torch.allclose(out[where], (plain + carried)[where], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- the precision
+
+FP16_SCALE = 2.0 ** 16
+
+
+def run_steps(comps, seeds, scale):
+    """Steps over ``seeds`` at loss scale ``scale`` (None: no scaler); returns each step's
+    decompressed gradients in unscaled units (rank 0's)."""
+    out = []
+    for seed in seeds:
+        s = 1.0 if scale is None else scale
+        for c in comps:
+            c.loss_scale = None if scale is None else torch.tensor([scale])
+        grads = [[g * s for g in gs] for gs in grads_of(seed)]
+        simulated_step(comps, grads)
+        out.append(torch.cat([g.reshape(-1) for g in grads[0]]) / s)
+    return out
+
+
+@pytest.mark.parametrize("saved,resumed", [(FP16_SCALE, None), (None, FP16_SCALE)],
+                         ids=["fp16-into-bf16", "bf16-into-fp16"])
+def test_a_resume_in_another_precision_continues_in_the_right_units(saved, resumed):
+    """Three steps at one loss scale (an fp16 run's 2^16, or none: bf16/fp32), a
+    checkpoint mapped to the host, two steps at the other: the same outputs as a run that
+    never switched, to rounding (before issue 71, an fp16 checkpoint read in bf16 used
+    ``E`` at 2^16 times its size, and the reverse dropped it)."""
+    straight = [BucketCompressor(ENTRIES, 4, seed=0) for _ in range(2)]
+    want = run_steps(straight, range(5), None)
+    first = [BucketCompressor(ENTRIES, 4, seed=0) for _ in range(2)]
+    run_steps(first, range(3), saved)
+    states = [mapped(c.state_dict()) for c in first]
+    second = [BucketCompressor(ENTRIES, 4, seed=0) for _ in range(2)]
+    for c, state in zip(second, states):
+        assert c.load_state_dict(state) == []
+    got = run_steps(second, range(3, 5), resumed)
+    for a, b in zip(got, want[3:]):
+        assert relative(a, b) < 1e-5, relative(a, b)
+
+
+def test_a_checkpoint_of_before_issue_71_is_read_in_its_units():
+    """Before issue 71 a checkpoint kept ``E`` in the units of the loss scale it was
+    formed at (``residual_units``): it loads net of that scale."""
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    simulated_step([comp], grads_of(1, ranks=1))
+    state = mapped(comp.state_dict())
+    old = dict(state, residual_units=FP16_SCALE, pending_flush=state.pop("pending"))
+    for mat in old["matrices"].values():
+        mat["residual"] = mat["residual"] * FP16_SCALE
+    other = BucketCompressor(ENTRIES, 4, seed=0)
+    other.load_state_dict(old)
+    assert torch.equal(residual(other, "a"), residual(comp, "a"))
+
+
+# ---------------------------------------------------------------------- the device
+
+def placements(comp):
+    return {t.device.type for g in comp.groups.values() for t in (g.q, g.residual)} | \
+        {t.device.type for t in pending_of(comp).values()} | \
+        {t.device.type for entry in comp.spectrum.values() for t in entry}
+
+
+def test_a_load_places_every_field_on_the_compressors_device():
+    """A checkpoint mapped to the host loads every field (warm starts, residuals, pending
+    residuals, the measured spectrum) onto the compressor's device — here ``meta``, a
+    device other than the saved one (before issue 71 the pending residuals stayed on the
+    host, to meet a GPU's gradients in the next message)."""
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    comp.track_spectrum = True
+    simulated_step([comp], grads_of(1, ranks=1))
+    comp.set_rank(4, {(64, 32): 16})
+    assert pending_of(comp) and comp.spectrum
+    state = mapped(comp.state_dict())
+    other = BucketCompressor(ENTRIES, 4, seed=0, device=torch.device("meta"))
+    other.load_state_dict(state)
+    assert placements(other) == {"meta"}
+    assert pending_of(other).keys() == {"b"}
+
+
+def test_a_pipeline_sender_loaded_on_the_host_sends_from_the_messages_device():
+    """A sender's checkpoint mapped to the host, then ``prepare`` for messages on another
+    device (``meta``): its warm start and residual move there, keeping their shapes (before
+    issue 71 ``prepare`` checked shapes only and left both on the host)."""
+    sender = ActivationGradSender(4, seed=1, name="pp-stage1-chunk0")
+    for seed in range(2):
+        sender.compress(torch.randn(8, 2, 48, generator=torch.Generator().manual_seed(seed)))
+    state = mapped(sender.state_dict())
+    other = ActivationGradSender(4, seed=1, name="pp-stage1-chunk0")
+    other.load_state_dict(state)
+    assert torch.equal(other.residual, sender.residual) and torch.equal(other.q, sender.q)
+    other.prepare(16, 48, torch.device("meta"))
+    assert other.q.device.type == other.residual.device.type == "meta"
+    assert other.q.shape == (48, 4) and other.residual.shape == (16, 48)
+
+
+# ---------------------------------------------------------------------- the message's rule
+
+def test_an_overflowing_local_factor_keeps_the_residual():
+    """Finite ``M`` and ``P^`` whose product ``Q_i = Mᵀ P^`` overflows fp32 on one rank:
+    that rank's matrix keeps ``E`` bit for bit (the message's non-finite rule, as where the
+    first SUM is not finite), the summed ``Q`` is not finite, the step is left NaN and
+    skipped, and ``E`` stays finite; the other rank's follows the skip rule (``E = M``).
+    Before issue 71 the rank's ``E`` became Inf, and NaN after the skip."""
+    entries = [("w", (64, 16))]
+    comps = [BucketCompressor(entries, 1, seed=0) for _ in range(2)]
+    simulated_step(comps, [[torch.randn(64, 16)] for _ in comps])
+    for c in comps:   # a warm start that keeps P = M Q small for a huge constant M
+        c.groups[(64, 16)].q = torch.zeros(1, 16, 1)
+        c.groups[(64, 16)].q[0, 0, 0] = 1e-2
+    before = [residual(c, "w").clone() for c in comps]
+    huge = torch.full((64, 16), 1e38)     # Mᵀ P^ ≈ 64 · 1e38 / 8 = 8e38 > 3.4e38
+    small = torch.randn(64, 16)
+    m_small = small + before[1]
+    grads = [[huge.clone()], [small.clone()]]
+    simulated_step(comps, grads, applied=False)
+    assert torch.isnan(grads[0][0]).all()
+    assert torch.equal(residual(comps[0], "w"), before[0])
+    assert torch.isfinite(residual(comps[1], "w")).all()
+    assert relative(residual(comps[1], "w"), m_small) < 1e-6
+
+
+# ---------------------------------------------------------------------- an outcome that never came
+
+def test_a_save_after_an_unreported_step_follows_the_skip_rule(one_process_group):  # noqa: F811
+    """The plug-in returns before ``end_step`` when Megatron-LM's rerun machine exits
+    before ``optimizer.step()``, and Megatron-LM may still save: the DP compression's
+    ``state_dict`` (the checkpoint registry's) then settles the step by the rule — a
+    compressed bucket's residual is ``M`` (not ``M - P^ Qᵀ``, as if applied) and a dense
+    sync's residual is kept (not zeroed)."""
+    chunk = fake_ddp_chunk(n_buckets=1)
+    compression = compression_of(chunk, one_process_group)
+    group, bucket = chunk.bucket_groups[0], chunk.bucket_groups[0].buckets[0]
+    plan = next(iter(compression.plans.values()))
+    gen = torch.Generator().manual_seed(3)
+
+    def sync(it, dense=False):
+        compression.set_iteration(it)
+        compression.prepare_iteration()
+        if dense:
+            compression.dense_keys = frozenset(compression.plans)
+        bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
+        grads = plan.grads(bucket.grad_data * ddp.DPGradientCompression._scaling(group, plan))
+        m = {name: grads[i] + residual(plan.compressor, name)
+             for g in plan.compressor.groups.values() for i, name in zip(g.indices, g.names)}
+        group.start_grad_sync()
+        group.finish_grad_sync()
+        return m
+
+    sync(0)
+    compression.after_step(applied=True)
+    m = sync(1)   # the outcome never reported, then a save
+    saved = compression.state_dict()["buckets"][plan.key]["matrices"]
+    assert m and all(relative(saved[name]["residual"], want) < 1e-6 for name, want in m.items())
+    kept = {name: e["residual"].clone() for name, e in saved.items()}
+    sync(2, dense=True)   # a dense sync, unreported, then a save
+    saved = compression.state_dict()["buckets"][plan.key]["matrices"]
+    assert all(torch.equal(saved[name]["residual"], e) for name, e in kept.items())
+    assert any(e.abs().sum() > 0 for e in kept.values())
+
+
+# ---------------------------------------------------------------------- the gradients' units
+
+def test_the_entropy_is_taken_net_of_the_loss_scale():
+    """GDS on gradients carrying a changing loss scale, told the scale, measures the
+    entropy of the same gradients at no scale, to rounding (a Gaussian entropy would move
+    by ln 2 = 0.69 nats at every halving or doubling of an fp16 run's scale)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, generator=gen) * 1e-3 for _ in range(4)]
+    for estimator in ("gaussian", "histogram"):
+        def entropies(scales):
+            out = []
+            for g, s in zip(grads, scales):
+                est = SampledEntropy({"b": GradientSampler(g.numel(), grad_sample_rate=0.25,
+                                                           seed=1)}, estimator=estimator)
+                scale = None if s is None else torch.tensor([s])
+                est.add("b", g * (1.0 if s is None else s), 0, scale)
+                out.append(float(est.entropy("cpu")))
+            return out
+
+        plain = entropies([None] * 4)
+        scaled = entropies([2.0 ** 16, 2.0 ** 15, 2.0 ** 16, 2.0 ** 17])
+        assert max(abs(a - b) for a, b in zip(plain, scaled)) < 1e-4, (estimator, plain,
+                                                                          scaled)
+
+
+def test_a_captured_step_replays_the_m_it_formed_at_its_scale():
+    """``--edgc-debug-dump``'s capture of a step at loss scale 2^12 with a residual formed
+    before: the replay's ``M = G + s·E`` and new residual are the step's (before issue 71
+    the replay ignored the scale and formed another ``M``)."""
+    comp = BucketCompressor(ENTRIES, 4, seed=0)
+    comp.loss_scale = torch.tensor([2.0 ** 12])
+    simulated_step([comp], [[g * 2.0 ** 12 for g in grads_of(1, ranks=1)[0]]])
+    grads = [g * 2.0 ** 12 for g in grads_of(2, ranks=1)[0]]
+    capture = StepCapture(comp, grads, iteration=1, rank=0, bucket="b0")
+    m = grads[0] + residual(comp, "a") * 2.0 ** 12
+    seen = {}
+    bufs, step = comp.start(grads)
+    capture.summed("p", bufs)
+    bufs = comp.middle(step, bufs)
+    capture.summed("q", bufs)
+    comp.finish(step, bufs)
+    comp.after_step(applied=True)
+    record = mapped(capture.record)
+    group = record["groups"][[g["names"] for g in record["groups"]].index(["a"])]
+    formed = group["grad"][0].float() + group["residual"][0].float() * record["loss_scale"]
+    assert relative(formed, m) < 1e-6
+    assert all(finite for _, _, finite in replay(record))
+    seen = {phase for _, phase, _ in replay(record)}
+    assert "M = G + s·E" in seen
