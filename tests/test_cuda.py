@@ -160,6 +160,36 @@ def test_activation_gradient_compression_on_device():
     assert best <= err <= 1.6 * best, (err, best)  # one power step from a random Q
 
 
+
+def test_pipeline_sender_resumes_on_device_from_a_host_mapped_checkpoint():
+    """Issue 71: a pipeline sender's checkpoint loaded with ``map_location="cpu"`` (as both
+    front-ends load) compresses on the device: the runtime's ``prepare`` moves its warm
+    start and residual there, and the next messages equal those of a sender that never
+    left the device; the receiver rebuilds them on the device."""
+    import io
+
+    seq, batch, hidden, r = 32, 2, 64, 8
+    gen = torch.Generator().manual_seed(11)
+    msgs = [torch.randn(seq, batch, hidden, generator=gen).to(DEVICE) for _ in range(4)]
+    straight = ActivationGradSender(r, seed=5, name="pp-stage1-chunk0")
+    resumed = ActivationGradSender(r, seed=5, name="pp-stage1-chunk0")
+    for msg in msgs[:2]:
+        straight.compress(msg)
+        resumed.compress(msg)
+    buf = io.BytesIO()
+    torch.save(resumed.state_dict(), buf)
+    buf.seek(0)
+    resumed = ActivationGradSender(r, seed=5, name="pp-stage1-chunk0")
+    resumed.load_state_dict(torch.load(buf, map_location="cpu", weights_only=False))
+    assert resumed.q.device.type == "cpu"
+    resumed.prepare(seq * batch, hidden, torch.device(DEVICE))
+    assert resumed.q.device.type == resumed.residual.device.type == torch.device(DEVICE).type
+    for msg in msgs[2:]:
+        (p0, q0), (p1, q1) = straight.compress(msg), resumed.compress(msg)
+        assert torch.equal(p0, p1) and torch.equal(q0, q1)
+        out = decompress(p1, q1, msg.shape, msg.dtype)
+        assert out.device.type == torch.device(DEVICE).type and torch.isfinite(out).all()
+
 def test_interval_clock_times_device_work():
     """The stage timer's clock: CUDA events on a GPU; ordered stamps, work takes time."""
     clock = IntervalClock(use_cuda=torch.device(DEVICE).type == "cuda")

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Does compression add fp16 overflows? The loss scaler's skips of dense, static and EDGC
+fp16 runs, side by side (issue 71 item 8).
+
+    .venv/bin/python bench/fp16_skips.py [--iters 200] [--seeds 1234 1235 1236]
+
+After a skipped step a compressed bucket's residual holds the whole message it did not
+apply (``E = M``, docs/reliability.md), so its next message carries about two steps of
+gradient into fp16 buffers at the same scale: it could overflow where dense would not.
+``configs/tiny-cpu.yaml --fp16`` (megatron-core's dynamic scaler from its default 2^32,
+hysteresis 2) for each mode and seed, ``ITERS`` iterations; per run the skipped
+iterations, those after iteration 20 (past the scale's descent from 2^32), the scale
+changes and the final loss (mean of the last 10). Writes the
+``fp16_skips`` section of BENCHMARKS.md and the records under
+``bench/results/fp16_skips/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.report import write_section  # noqa: E402
+
+CONFIG = "configs/tiny-cpu.yaml"
+OUT = os.path.join(ROOT, "bench", "results", "fp16_skips")
+MODES = {"dense": ["--edgc-mode", "off"],
+         "static r8": ["--edgc-mode", "static"],
+         "EDGC": ["--edgc-mode", "edgc"]}
+
+
+def run(mode: str, seed: int, iters: int) -> dict:
+    name = f"{mode.split()[0].lower()}-{seed}"
+    metrics = os.path.join(OUT, f"{name}.jsonl")
+    if not os.path.exists(metrics) or sum(1 for _ in open(metrics)) < iters:
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        subprocess.run([sys.executable, "pretrain_gpt2_edgc.py", "--config", CONFIG, "--fp16",
+                        "--seed", str(seed), "--train-iters", str(iters), "--eval-interval",
+                        str(iters), "--metrics-file", metrics, *MODES[mode]],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    records = [json.loads(line) for line in open(metrics)]
+    skipped = [r["iteration"] for r in records if r.get("skipped")]
+    scales = [r.get("loss_scale") for r in records]
+    return {"mode": mode, "seed": seed, "skipped": len(skipped),
+            "skipped_at": skipped,
+            "late_skips": len([s for s in skipped if s > 20]),
+            "scale_changes": sum(a != b for a, b in zip(scales, scales[1:])),
+            "final_loss": statistics.mean(r["loss"] for r in records[-10:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    rows = [run(mode, seed, args.iters) for seed in args.seeds for mode in MODES]
+    with open(os.path.join(OUT, "summary.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    lines = ["| mode | skipped per seed | after iteration 20 | scale changes | final loss |",
+             "|---|---|---|---|---|"]
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        lines.append(f"| {mode} | {' / '.join(str(r['skipped']) for r in mine)} | "
+                     f"{' / '.join(str(r['late_skips']) for r in mine)} | "
+                     f"{' / '.join(str(r['scale_changes']) for r in mine)} | "
+                     f"{' / '.join('%.4f' % r['final_loss'] for r in mine)} |")
+    extra = {mode: sum(r["skipped"] for r in rows if r["mode"] == mode) -
+             sum(r["skipped"] for r in rows if r["mode"] == "dense") for mode in MODES}
+    rule = ("Verdict rule: compression adds skips where a compressing mode skips more than "
+            "dense on every seed.")
+    more = [m for m in MODES if m != "dense" and all(
+        r["skipped"] > d["skipped"] for r, d in zip(
+            [r for r in rows if r["mode"] == m], [r for r in rows if r["mode"] == "dense"]))]
+    verdict = (f"compression adds skips: {', '.join(more)}" if more else
+               "compression adds no skip on every seed: "
+               + ", ".join(f"{m} {extra[m]:+d} in all" for m in MODES if m != "dense"))
+    write_section("fp16_skips", "fp16: does compression add overflows?",
+                  f"bench/fp16_skips.py --iters {args.iters} --seeds "
+                  f"{' '.join(map(str, args.seeds))}",
+                  "\n".join(lines) + f"\n\n{rule} {verdict}.\n\n<!-- notes -->")
+    print("\n".join(lines))
+    print(verdict)
+
+
+if __name__ == "__main__":
+    main()
