@@ -151,3 +151,38 @@ def test_a_changing_loss_scale_gives_the_fixed_scale_run(small_model_argv, tmp_p
     stale = losses("stale", changing, env={**os.environ, "EDGC_TEST_STALE_UNITS": "1"})
     stale_gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(fixed, stale))
     assert stale_gap > max(10 * gap, 5e-3), (gap, stale_gap)   # measured 2.6e-4 vs 2.1e-2
+
+
+def test_edgc_under_a_changing_scale_measures_the_fixed_scale_entropies_and_ranks(
+        small_model_argv, tmp_path):
+    """Issue 71: GDS measures the gradients net of the loss scale. EDGC (DP and pipeline)
+    with a scale that doubles every 3 iterations from 2^10, against a fixed 2^12 on the
+    same data: every measured entropy agrees to fp16's rounding, and so do the ranks the
+    controller chose. (Taken on the scaled gradients, the entropy moved by ln 2 = 0.69 nats
+    at every doubling, and CQM read each as a rise.)"""
+    common = (small_model_argv + LAYOUTS["tp1-pp2-dp2"]
+              + ["--fp16", "--train-iters", "14", "--eval-interval", "14", "--edgc-mode",
+                 "edgc", "--edgc-window", "3", "--edgc-iter-sample-rate", "1.0",
+                 "--edgc-rank-max", "8", "--edgc-rank-min", "2", "--edgc-rank-step", "2",
+                 "--edgc-warmup-max-iters", "3", "--edgc-pp-compression", "edgc",
+                 "--edgc-pp-rank-max", "8", "--edgc-pp-rank-min", "2",
+                 "--edgc-dac", "off"])   # DAC's ranks follow measured times: not repeatable
+
+    def records(name, extra):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        run_job(common + extra + ["--metrics-file", metrics], str(tmp_path / name))
+        return read_jsonl(metrics)
+
+    fixed = records("fixed", ["--loss-scale", "4096"])
+    moving = records("changing", ["--initial-loss-scale", "1024", "--loss-scale-window", "3"])
+    assert len({r["loss_scale"] for r in moving}) >= 4
+    assert not any(r["skipped"] for r in fixed + moving)
+    measured = [(a, b) for a, b in zip(fixed, moving) if "entropy" in a]
+    assert len(measured) == len(fixed) and all("entropy" in b for _, b in measured)
+    gap = max(abs(x - y) for a, b in measured for x, y in zip(a["entropy"], b["entropy"]))
+    pp_gap = max(abs(a["entropy_pp"] - b["entropy_pp"]) for a, b in measured
+                 if a.get("entropy_pp") is not None and math.isfinite(a["entropy_pp"]))
+    assert gap < 0.1 and pp_gap < 0.1, (gap, pp_gap)   # measured 0.028 and 2e-4; ln 2 = 0.69
+    for key in ("rank_cqm", "rank_dp", "rank_pp"):
+        assert [r.get(key) for r in fixed] == [r.get(key) for r in moving], key
+    assert len({str(r["rank_dp"]) for r in fixed}) >= 3   # the controller moved the rank
