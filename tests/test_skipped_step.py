@@ -1,6 +1,6 @@
 """Error feedback around the optimizer's decisions, in one process (issue 63): a residual
 kept in the units of a changing loss scale, and a skipped step that loses nothing
-(docs/reliability.md, "A skipped step"; docs/method.md, "Error feedback under a loss
+(docs/reliability.md, "One rule for a step's outcome"; docs/method.md, "Error feedback under a loss
 scale"). DP ranks are simulated by summing tensors, as in ``test_powersgd.py``."""
 
 import pytest

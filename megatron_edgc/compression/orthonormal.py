@@ -172,7 +172,8 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     fp64 (``4 n r²`` + ``6 n r²``; the fp32 Gram CholeskyQR3 of before issue 56 did
     ``16 n r²`` in fp32), small beside the step's ``8 n m r``; the rest is ``O(r³)``.
     Temporaries: two ``[k, n, r]`` in fp64 (issue 64: the products were fp32 before,
-    which forced TF32 rounds to 10 bits). Non-finite input gives non-finite
+    which forced TF32 rounds to 10 bits); their cost, measured on an H200 at GPT-2
+    medium's shapes, r64: +1.3 to +1.8 ms a step, 1.10-1.14x (BENCHMARKS.md "GPU kernels"). Non-finite input gives non-finite
     output (the step's non-finite flag handles it). ``trace(stage, x)``, when given, sees
     ``x`` after each of the five stages (a replay's view: ``scripts/replay_step.py``;
     stage 2's ``x₂`` is formed for it alone).
