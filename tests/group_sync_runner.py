@@ -170,6 +170,7 @@ def main() -> None:
             comp.set_iteration(step)
             ddp.finish_grad_sync()
             comp.stats.resolve()
+            comp.after_step(applied=True)   # the outcome the runtime reports after a step
             return [b.grad_data.clone() for b in buckets]
 
         dense = sync(None)                           # megatron-core's own reduction

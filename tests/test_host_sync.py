@@ -250,9 +250,10 @@ def compression_of(chunk, group, **settings):
                                      **settings)
 
 
-def compressed_dp_step(compression, chunk, gen, nan_in=None):
+def compressed_dp_step(compression, chunk, gen, nan_in=None, applied=True):
     """Fill the gradients, then start and finish the group's sync as megatron-core would
-    (start inside backward under overlap_grad_reduce, finish at the end)."""
+    (start inside backward under overlap_grad_reduce, finish at the end); ``applied``: the
+    optimizer's outcome, reported as the runtime does (None: left to the caller)."""
     group = chunk.bucket_groups[0]
     for b, bucket in enumerate(group.buckets):
         bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=gen))
@@ -260,6 +261,8 @@ def compressed_dp_step(compression, chunk, gen, nan_in=None):
             bucket.grad_data[7] = float("nan")
     group.start_grad_sync()
     group.finish_grad_sync()
+    if applied is not None:
+        compression.after_step(applied)
 
 
 
@@ -287,7 +290,7 @@ def test_factors_that_fail_from_finite_gradients_keep_the_state_go_dense_and_com
         if fail:
             comp.orthonormalize = failing
         with HostSyncCounter() as syncs:
-            compressed_dp_step(compression, chunk, gen)
+            compressed_dp_step(compression, chunk, gen, applied=None)
         if fail:
             del comp.orthonormalize
         assert syncs.calls == []

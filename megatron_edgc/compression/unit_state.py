@@ -1,35 +1,19 @@
 """What one compressed unit keeps across steps, and the one rule that settles a step
 (docs/reliability.md, "One rule for a step's outcome").
 
-A unit is a DP bucket (:class:`~megatron_edgc.compression.powersgd.BucketCompressor`),
-one rank's shard of a bucket on the slow hop
-(:class:`~megatron_edgc.compression.shard_powersgd.ShardCompressor`) or a pipeline edge's
-sender (:class:`~megatron_edgc.compression.activation.ActivationGradSender`). Its
-:class:`UnitState` is the one owner of:
+A unit is a DP bucket, a rank's shard of one on the slow hop, or a pipeline edge's
+sender. Its :class:`UnitState` owns, per shape group, the warm start ``Q`` and the
+residual ``E`` (in the gradients' units, net of any loss scale: the same in every
+precision, scale and device); the pending residuals of matrices sent dense since a rank
+change (a residual moves with its matrix); and what the step in flight carried.
 
-* per shape group (:class:`~megatron_edgc.compression.kernels.ShapeGroup`) the warm
-  start ``Q`` and the error-feedback residual ``E``;
-* ``pending``: the residuals of matrices sent dense since a rank change, each carried by
-  the bucket's next message (and taken back into a group when the matrix is compressed
-  again): a residual moves with its matrix, never dropped;
-* the step in flight: what its message carried of ``E``.
-
-``E`` and ``pending`` are in the gradients' own units, net of any loss scale
-(:class:`~megatron_edgc.compression.kernels.ErrorFeedback`): a checkpoint means the same
-in fp32, bf16 and fp16 at any scale, and on any device (:meth:`UnitState.to`).
-
-One lifecycle: :meth:`begin` (this step's scale) → the compressor forms ``M``, sends,
-takes the residuals and records what the message carried (:meth:`carried_factors`,
-:meth:`carried_residuals`, :meth:`carried_pending`) → :meth:`settle` with the step's
-outcome. The rule, the only one: a step's outcome is *applied* only where the optimizer
-reported that it applied the step's gradients; otherwise — a skip, a non-finite step, or
-an outcome never reported (a save, or the next step, comes first) — what the message
-carried of ``E`` is given back: ``E += A Bᵀ`` for a compressed matrix (``E = M = G +
-E_before``), and a dense message's residuals and pending ones are kept. A matrix whose
-part of the message was not finite never changed its ``E`` (the kernels' ``kept``): it
-has nothing to give back. The pipeline's sender settles each message as applied at once
-(its receiver consumed it in the same backward; an optimizer skip discards the weight
-gradients it led to, not the activation gradient's residual).
+Lifecycle: :meth:`UnitState.begin` → the compressor forms ``M``, sends, takes the
+residuals and records what its message carried → :meth:`UnitState.settle`. The rule: a
+step is applied only where the optimizer reported it; otherwise (a skip, a non-finite
+step, an outcome never reported before a save or the next step) what the message carried
+of ``E`` is given back. A matrix whose part of the message was not finite never changed
+its ``E``. The pipeline's sender settles each message as applied at once (its receiver
+used it in the same backward).
 """
 
 from __future__ import annotations

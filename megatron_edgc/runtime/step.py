@@ -174,16 +174,15 @@ class EdgcRuntime:
         """Before the forward/backward of step ``iteration`` (0-based)."""
         self.iteration = iteration
         e = self.cfg.edgc
-        # the scale this step's gradients are in: the residuals are read in its units
+        # the scale this step's gradients carry: the residuals and GDS's sample are net of it
         self._step_scale = self.optimizer.get_loss_scale() if self.has_loss_scaler else None
         if self.p2p is not None:
             self.p2p.loss_scale = self._step_scale
         if self.dp_compression is not None:
             self.dp_compression.set_loss_scale(self._step_scale)
-        if self.edgc is not None:   # GDS measures the gradients net of the scale
-            self.edgc.loss_scale = self._step_scale
             self.dp_compression.set_iteration(iteration)
         if self.edgc is not None:
+            self.edgc.loss_scale = self._step_scale
             self.edgc.before_step(iteration)
         if self.dp_compression is not None:
             if self.link_refits(iteration):
