@@ -58,6 +58,7 @@ class Step:
     views: dict = field(default_factory=dict)  # group key -> [(lo, hi, gradients view), ...]
     p_hat: dict = field(default_factory=dict)  # group key -> orthonormal shared factor
     q_local: dict = field(default_factory=dict)  # group key -> this rank's other factor
+    kept: dict = field(default_factory=dict)     # group key -> bool [k,1,1]: E kept as it was
     nonfinite: Optional[torch.Tensor] = None     # bool [1] on the device: some rank's flag
     #: float [1] on the device: the summed P finite, the matrices whose orthonormal basis
     #: stood in for a failed factorization or came out non-finite (the same on every

@@ -153,6 +153,18 @@ class LowRankState:
         self.finish(step, self.middle(step, bufs))
         self.after_step(applied=True)
 
+    def local_factors(self, grads: Sequence[torch.Tensor]) -> Step:
+        """One rank's step with no collective, up to its factors (the pipeline's sender:
+        its receiver rebuilds the product): per group ``step.p_hat``, ``step.q_local`` and
+        ``step.kept``, the residuals taken, the local factor the warm start where it was
+        finite, the step settled as applied at once."""
+        bufs, step = self.start(grads)
+        self.middle(step, bufs)
+        for key, g in self.groups.items():
+            g.q = torch.where(step.kept[key], g.q, step.q_local[key])
+        self.after_step(applied=True)
+        return step
+
     # ------------------------------------------------------------------ sizes
 
     def _factor_size(self) -> int:
@@ -206,11 +218,11 @@ class LowRankState:
         wire = []
         for key, g in self.groups.items():
             p_hat = step.p_hat[key]
-            step.q_local[key], sent, kept, step.energy[key] = self.ef.project_and_take(
-                g, step.views[key], p_hat, transposed, nonfinite, self.factor_dtype,
-                energy=self.track_spectrum)
-            self.state.carried_factors(g, kept, *((p_hat, sent) if transposed
-                                                  else (sent, p_hat)))
+            step.q_local[key], sent, step.kept[key], step.energy[key] = \
+                self.ef.project_and_take(g, step.views[key], p_hat, transposed, nonfinite,
+                                         self.factor_dtype, energy=self.track_spectrum)
+            self.state.carried_factors(g, step.kept[key], *((p_hat, sent) if transposed
+                                                            else (sent, p_hat)))
             wire.append(sent.view(-1))
         return wire
 
