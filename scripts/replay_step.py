@@ -55,9 +55,10 @@ def report(path: str, device: str) -> str:
         report_factors(path, device)
         return ""
     rec = torch.load(path, map_location="cpu", weights_only=True)
+    scale = rec.get("loss_scale", 1.0)
     print(f"{path}: iteration {rec['iteration']}, rank {rec['rank']}, {rec['bucket']} "
           f"({rec.get('cause', '?')}); {rec['factor_dtype']} factors, {rec['ef_dtype']} "
-          f"residual; replayed on {device}")
+          f"residual, loss scale {float(scale):g}; replayed on {device}")
     for g in rec["groups"]:
         print(f"  {g['key']}: {len(g['names'])} x [{g['n']}, {g['m']}] at rank {g['rank']}, "
               f"gradients {str(g['grad'].dtype).replace('torch.', '')}")

@@ -7,17 +7,19 @@ group; the tests simulate DP ranks in one process).
 
 One step for a bucket, on every DP rank ``i``::
 
-    G_i += E_i                          error feedback, formed in place: the gradient
-                                        buffer holds M_i = G_i + E_i for the step
+    G_i += s E_i                        error feedback, formed in place: the gradient
+                                        buffer holds M_i = G_i + s E_i for the step (s:
+                                        the loss scale, 1 without one; E is net of it)
     P_i  = M_i Q                        Q warm-started; first Q a seeded Gaussian, same on all
     [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
                                         uncompressed rest (biases, norms, small matrices)
                                         and a non-finite flag
     P^   = orth(sum P)                  batched shifted CholeskyQR (:func:`orthonormalize`)
     Q_i  = M_i^T P^
-    E_i  = M_i - P^ Q_i^T               what the shared basis missed of this rank's M_i,
+    E_i  = (M_i - P^ Q_i^T)/s           what the shared basis missed of this rank's M_i,
                                         taken in the same pass over M_i (where the first
-                                        SUM's flag is clear); the buffer now holds it
+                                        SUM's flag is clear and Q_i finite); the step's
+                                        outcome settles it (compression/unit_state.py)
     [Q]  --SUM-->                       one collective: all Q of the bucket
     G_i  = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
     Q    = sum Q                        warm start for the next step
