@@ -60,6 +60,8 @@ def test_fp16_dense_static_and_edgc_reach_dense_fp16s_loss(small_model_argv, tmp
         assert summary["loss_scale_changes"] >= changes >= 2, (summary, changes)
         assert f"| {skipped} skipped | {summary['loss_scale_changes']} loss-scale changes" \
             in stdout
+        # issue 71: compressing in fp16, the gradient buffers are fp32 (the start-up line)
+        assert "(fp32 gradients," in stdout, stdout[:2000]
         compressed = summary["compression"]["dp_iterations_compressed"]
         applied_with_rank = [sum(1 for r in records if not r["skipped"] and r["rank_dp"]
                                  and r["rank_dp"][s] is not None) for s in range(2)]
@@ -186,3 +188,23 @@ def test_edgc_under_a_changing_scale_measures_the_fixed_scale_entropies_and_rank
     for key in ("rank_cqm", "rank_dp", "rank_pp"):
         assert [r.get(key) for r in fixed] == [r.get(key) for r in moving], key
     assert len({str(r["rank_dp"]) for r in fixed}) >= 3   # the controller moved the rank
+
+
+@pytest.mark.parametrize("mode,setting,want", [
+    ("static", None, True), ("edgc", None, True), ("off", None, False),
+    ("static", False, False), ("off", True, True)])
+def test_compression_in_fp16_keeps_fp32_gradient_buffers_by_default(mode, setting, want):
+    """Issue 71 item 8: a compressed result written into fp16 buffers overflowed where the
+    dense sum did not (BENCHMARKS.md "fp16: does compression add overflows?"), so a
+    compressing fp16 run keeps and reduces its gradients in fp32 unless told otherwise;
+    a dense run keeps Megatron's default (fp16 buffers)."""
+    from megatron_edgc.config import parse_config
+
+    flags = {None: [], True: ["--accumulate-allreduce-grads-in-fp32"],
+             False: ["--no-accumulate-allreduce-grads-in-fp32"]}[setting]
+    import os
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "configs", "tiny-cpu.yaml")
+    cfg = parse_config(["--config", config, "--fp16", "--edgc-mode", mode, *flags])
+    assert cfg.fp16_grads_in_fp32 is want

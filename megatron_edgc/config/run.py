@@ -45,6 +45,15 @@ class RunConfig:
         return torch.cuda.is_available()
 
     @property
+    def fp16_grads_in_fp32(self) -> bool:
+        """fp16: the gradient buffers in fp32 (``--accumulate-allreduce-grads-in-fp32``);
+        unset means on where EDGC compresses (docs/method.md, "A step's outcome")."""
+        setting = self.training.accumulate_allreduce_grads_in_fp32
+        if not self.training.fp16:
+            return False
+        return self.edgc.mode != "off" if setting is None else setting
+
+    @property
     def precision(self) -> str:
         """The run's mixed precision: ``fp16`` (with a loss scaler), ``bf16`` or ``fp32``."""
         return "fp16" if self.training.fp16 else "bf16" if self.bf16_resolved else "fp32"

@@ -147,9 +147,11 @@ class TrainingConfig:
                                         "dynamic scale doubles", min=1)
     hysteresis: int = knob(2, "fp16: overflows the dynamic scaler tolerates before it halves",
                            min=1)
-    accumulate_allreduce_grads_in_fp32: bool = knob(
-        False, "fp16: keep and reduce the gradients in fp32 (megatron-core "
-               "grad_reduce_in_fp32), as Megatron-LM's flag of that name")
+    accumulate_allreduce_grads_in_fp32: Optional[bool] = knob(
+        None, "fp16: keep and reduce the gradients in fp32 (megatron-core "
+              "grad_reduce_in_fp32), as Megatron-LM's flag of that name (default: on where "
+              "--edgc-mode compresses, off otherwise: a compressed result written into fp16 "
+              "buffers overflows where the dense sum does not, docs/method.md)")
 
     def resolve(self) -> None:
         if self.fp16 and self.bf16:

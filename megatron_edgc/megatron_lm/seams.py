@@ -67,6 +67,7 @@ def _validate_args(original):
         out = original(args, *rest, **kwargs)
         try:
             _state.cfg = run_config(args)
+            _fp16_grads_in_fp32(args, _state.cfg)
             from megatron_edgc.patches.cpu import check_megatron_version
 
             check_megatron_version(_state.cfg.allow_untested_megatron)
@@ -74,6 +75,18 @@ def _validate_args(original):
             _fail(exc)
         return out
     return validate_args
+
+
+def _fp16_grads_in_fp32(args, cfg) -> None:
+    """``--fp16`` with DP compression: the gradients kept and reduced in fp32
+    (``--accumulate-allreduce-grads-in-fp32``), as the trainer does by default: a
+    compressed result written into fp16 buffers overflows where the dense sum does not,
+    and every skip that follows gives back a larger message (docs/method.md)."""
+    if args.fp16 and cfg.edgc.mode != "off" and not args.accumulate_allreduce_grads_in_fp32:
+        args.accumulate_allreduce_grads_in_fp32 = True
+        if getattr(args, "rank", 0) == 0:
+            print("EDGC: --fp16 with DP compression: gradients accumulated and reduced in "
+                  "fp32 (--accumulate-allreduce-grads-in-fp32)", flush=True)
 
 
 def _setup_model_and_optimizer(original):

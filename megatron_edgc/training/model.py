@@ -161,7 +161,7 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=(bf16 and not t.grad_reduce_in_bf16) or
-        (fp16 and t.accumulate_allreduce_grads_in_fp32),
+        cfg.fp16_grads_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=cfg.parallel.bucket_size,
