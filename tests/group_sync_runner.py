@@ -1,7 +1,11 @@
 """One 4-process gloo job: the DP patch on bucket groups that megatron-core reduces over
 a group other than plain DP (``tests/test_group_sync.py``).
 
-    torchrun --nproc-per-node 4 tests/group_sync_runner.py CASE OUT_DIR
+    torchrun --nproc-per-node 4 tests/group_sync_runner.py CASE[,CASE...] OUT_DIR
+
+Each CASE writes ``OUT_DIR/CASE/rank<r>.json``; several run one after the other in the same
+4 processes (the model-parallel state destroyed and the seeds set again between them), as
+``tests/test_group_sync.py`` runs them: one launch instead of one per case.
 
 CASE ``cp2``: context parallelism 2 × DP 2; megatron-core's DDP reduces the dense buckets
 over the DP×CP group (4 ranks). megatron-core's local attention refuses CP > 1 (it needs
@@ -99,17 +103,28 @@ def bypass_agreement(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
 
 
 def main() -> None:
-    case, out_dir = sys.argv[1], sys.argv[2]
+    cases, out_dir = sys.argv[1].split(","), sys.argv[2]
     apply_cpu_shims()
     dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+
+    for case in cases:
+        torch.manual_seed(0)
+        if case == "inst2-bypass":
+            bypass_agreement(os.path.join(out_dir, case))
+        else:
+            run_case(case, os.path.join(out_dir, case))
+        parallel_state.destroy_model_parallel()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(case: str, out_dir: str) -> None:
+    """One CASE but ``inst2-bypass`` (:func:`bypass_agreement`), in the current world."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    if case == "inst2-bypass":
-        return bypass_agreement(out_dir)
     ddp, _ = build(case)
     from megatron.core import parallel_state
 
@@ -226,7 +241,6 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
 
 
 def _offsets(groups) -> list:

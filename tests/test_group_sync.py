@@ -1,6 +1,7 @@
 """The DP patch on bucket groups megatron-core reduces over other groups than plain DP,
 4 gloo processes each (``tests/group_sync_runner.py``): context parallelism (dense
-buckets over DP×CP) and MoE expert parallelism (experts over the expert-DP group)."""
+buckets over DP×CP) and MoE expert parallelism (experts over the expert-DP group). The
+runner's cases share one launch (:data:`CASES`)."""
 
 import json
 import math
@@ -17,17 +18,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LOW_RANK = 4
 
 
-def run_case(case: str, out_dir: str) -> list:
+#: The runner's cases, all run in one 4-process launch (issue 71: one torchrun and its
+#: imports instead of four; each case builds its own model-parallel state and module).
+CASES = ("cp2", "ep2", "inst2", "inst2-bypass")
+
+
+def run_cases(cases, out_dir: str) -> dict:
+    """``case -> [each rank's results]`` of one launch of the runner over ``cases``."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", os.path.join(HERE, "group_sync_runner.py"), case, out_dir],
+         "4", os.path.join(HERE, "group_sync_runner.py"), ",".join(cases), out_dir],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = []
-    for r in range(4):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as fh:
-            results.append(json.load(fh))
+    results = {}
+    for case in cases:
+        results[case] = []
+        for r in range(4):
+            with open(os.path.join(out_dir, case, f"rank{r}.json")) as fh:
+                results[case].append(json.load(fh))
     return results
+
+
+@pytest.fixture(scope="module")
+def group_sync(tmp_path_factory) -> dict:
+    """Every case's results, from one launch for the module."""
+    return run_cases(CASES, str(tmp_path_factory.mktemp("group_sync")))
 
 
 def bucket_bytes(shapes: list, rank: int) -> int:
@@ -41,8 +56,8 @@ def bucket_bytes(shapes: list, rank: int) -> int:
     ("inst2", [2], [[0, 2], [1, 3]]),       # 2 optimizer instances of 2: shards across
 ])
 def test_each_bucket_group_is_compressed_over_its_own_group(case, sizes, expert_members,
-                                                            tmp_path):
-    results = run_case(case, str(tmp_path / case))
+                                                            group_sync):
+    results = group_sync[case]
     for r in results:
         assert r["group_sizes"] == sizes
         if case == "inst2":
@@ -160,11 +175,11 @@ def check_slow_hop(r: dict, inter_members: list) -> None:
     assert 0.4 * whole < r["state_bytes"] <= 0.55 * whole, (r["state_bytes"], whole)
 
 
-def test_slow_hop_bypass_decides_alike_inside_each_instance(tmp_path):
+def test_slow_hop_bypass_decides_alike_inside_each_instance(group_sync):
     """``--edgc-bypass auto`` with 2 instances: the ranks of an instance measure different
     costs (made 0 s and 1000 s here), yet every rank sends the same buckets dense (MAX
     over the instance), the sync completes, and the decision is cached per rank."""
-    results = run_case("inst2-bypass", str(tmp_path / "bypass"))
+    results = group_sync["inst2-bypass"]
     assert sorted(r["intra_rank"] for r in results) == [0, 0, 1, 1]
     for r in results:
         # instance rank 1 would send every bucket dense: so does instance rank 0
