@@ -92,13 +92,18 @@ def main() -> None:
         mine = [r for r in rows if r["mode"] == mode]
         if not mine:
             continue
-        late = [f"{r['late_skips']}" + (f" ({', '.join(str(s) for s in r['skipped_at'] if s > 20)})"
+        late = [f"{r['late_skips']}" + (" (" + ", ".join(str(s) for s in r["skipped_at"]
+                                                          if s > 20) + ")"
                                         if r["late_skips"] else "") for r in mine]
         lines.append(f"| {mode} | {' / '.join(str(r['seed']) for r in mine)} | "
                      f"{' / '.join(str(r['skipped']) for r in mine)} | "
                      f"{' / '.join(late)} | "
                      f"{' / '.join(str(r['scale_changes']) for r in mine)} | "
                      f"{' / '.join('%.4f' % r['final_loss'] for r in mine)} |")
+    dense = {r["seed"]: r["skipped"] for r in rows if r["mode"] == "dense"}
+    paired = {m: [(r["skipped"], dense[r["seed"]]) for r in rows
+                  if r["mode"] == m and r["seed"] in dense] for m in modes if m != "dense"}
+    extra = {m: sum(a - b for a, b in pairs) for m, pairs in paired.items()}
     rule = ("Verdict rule, per mode against dense on the same seeds: adds skips where it "
             "skips at least as often on every seed and more in total; adds none where equal "
             "on every seed; not resolved otherwise.")
