@@ -6,15 +6,26 @@ import pytest
 from distributed import LAYOUTS, assert_dp_replicas_identical, read_jsonl, run_job
 
 
+@pytest.fixture(scope="module")
+def layout_job(small_model_argv, tmp_path_factory):
+    """``run(layout)``: one 20-iteration job per layout (metrics and TensorBoard), run once
+    for the module and shared by the tests that assert on it: (results, records, tb dir)."""
+    jobs = {}
+
+    def run(layout):
+        if layout not in jobs:
+            tmp = tmp_path_factory.mktemp(layout)
+            metrics, tb = str(tmp / "metrics.jsonl"), str(tmp / "tb")
+            results = run_job(small_model_argv + LAYOUTS[layout] + [
+                "--metrics-file", metrics, "--tensorboard-dir", tb], str(tmp / "out"))
+            jobs[layout] = (results, read_jsonl(metrics), tb)
+        return jobs[layout]
+    return run
+
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_loss_decreases_and_dp_replicas_identical(layout, small_model_argv, tmp_path):
-    metrics = str(tmp_path / "metrics.jsonl")
-    tb = tmp_path / "tb"
-    results = run_job(small_model_argv + LAYOUTS[layout] + ["--metrics-file", metrics,
-                                                            "--tensorboard-dir", str(tb)],
-                      str(tmp_path / "out"))
-    records = read_jsonl(metrics)
+def test_loss_decreases_and_dp_replicas_identical(layout, layout_job):
+    results, records, _ = layout_job(layout)
     assert [r["iteration"] for r in records] == list(range(1, 21))
     for r in records:
         assert {"iteration", "loss", "lr", "iter_ms", "tokens"} <= r.keys()
@@ -33,17 +44,17 @@ def test_loss_decreases_and_dp_replicas_identical(layout, small_model_argv, tmp_
     assert abs(losses[0] - 7.62) < 0.3
 
 
-def test_tensorboard_events_hold_the_metrics(small_model_argv, tmp_path):
+def test_tensorboard_events_hold_the_metrics(layout_job):
+    """The TensorBoard events of the TP1·PP2·DP2 job above (its own 4-iteration job
+    before issue 71): one ``loss`` scalar per iteration, equal to the metrics file's, and
+    the other scalars' tags."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
-    run_job(small_model_argv + LAYOUTS["tp1-pp2-dp2"] + [
-        "--train-iters", "4", "--metrics-file", metrics, "--tensorboard-dir", tb],
-        str(tmp_path / "out"))
+    _, records, tb = layout_job("tp1-pp2-dp2")
     acc = EventAccumulator(tb)
     acc.Reload()
     losses = [e.value for e in acc.Scalars("loss")]
-    assert len(losses) == 4
-    expected = [r["loss"] for r in read_jsonl(metrics)]
+    assert len(losses) == len(records) == 20
+    expected = [r["loss"] for r in records]
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses, expected))
     assert {"lr", "iter_ms", "dp_bytes_sent", "val_loss"} <= set(acc.Tags()["scalars"])
