@@ -13,6 +13,40 @@ from megatron_edgc.model_shapes import stage_param_shapes
 RANK = 4
 
 
+@pytest.fixture(scope="module")
+def job(small_model_argv, tmp_path_factory):
+    """``run(flags)``: one trainer job of ``small_model_argv + flags`` for the module,
+    ``(results, records, output dir)``. Tests that assert different things about the same
+    configuration pass the same flags and share its one job (issue 71: ``make test``'s
+    time)."""
+    jobs = {}
+
+    def run(flags):
+        key = tuple(flags)
+        if key not in jobs:
+            tmp = tmp_path_factory.mktemp("job")
+            metrics = str(tmp / "m.jsonl")
+            results = run_job(small_model_argv + list(flags) + ["--metrics-file", metrics],
+                              str(tmp / "out"))
+            jobs[key] = (results, read_jsonl(metrics), str(tmp / "out"))
+        return jobs[key]
+    return run
+
+
+#: TP1·PP2·DP2 for 10 iterations, dense (megatron-core's own sync): run once, asserted on
+#: by test_off_is_untouched_megatron_and_start_iter_switches and by the bypass's test.
+OFF_10 = LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "10", "--edgc-mode", "off"]
+
+
+def static_from_5(layout: str, wire: str) -> list:
+    """10 iterations of ``layout``, static rank 4 from iteration 5 (4 dense iterations:
+    ``--edgc-start-iter 4``), the dense sync on ``wire``. TP1·PP2·DP2 on the fp32 wire is
+    run once and asserted on by the bf16 dense wire's test and by
+    test_off_is_untouched_megatron_and_start_iter_switches."""
+    return LAYOUTS[layout] + ["--train-iters", "10", "--edgc-mode", "static", "--edgc-rank",
+                              str(RANK), "--edgc-start-iter", "4", "--edgc-dense-wire", wire]
+
+
 def expected_bytes(result: dict, rank: int, factor_bytes: int = 2, dense_bytes: int = 4) -> int:
     """From the shapes of each DP bucket of one rank's ``result``
     (:func:`distributed.compressed_bucket_bytes`)."""
@@ -80,7 +114,9 @@ def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buff
     0.1 nats of the dense bf16 run's loss; its start-up line names the gradient dtype."""
     layout = LAYOUTS["tp1-pp2-dp2-distopt"] + ["--bf16"]
     runs = {}
-    for name, flags in (("fp32-reduce", ["--edgc-mode", "off"]),
+    # The fp32 reduce's run is asserted on for its bytes alone, which are the buffers'
+    # (the same every iteration): 4 iterations instead of 20 (issue 71: make test's time).
+    for name, flags in (("fp32-reduce", ["--edgc-mode", "off", "--train-iters", "4"]),
                         ("bf16-reduce", ["--edgc-mode", "off", "--grad-reduce-in-bf16"]),
                         ("static", ["--grad-reduce-in-bf16", "--edgc-mode", "static",
                                     "--edgc-rank", str(RANK)])):
@@ -105,24 +141,15 @@ def test_grad_reduce_in_bf16_halves_the_dense_bytes_and_edgc_compresses_its_buff
 
 
 @pytest.mark.parametrize("layout", ["tp1-pp2-dp2", "tp1-pp2-dp2-overlap"])
-def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(layout, small_model_argv,
-                                                                      tmp_path):
+def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(layout, job):
     """``--edgc-dense-wire bf16`` on fp32 buffers: before compression starts (the warm-up's
     place) each bucket is one bf16 all-reduce, half the bytes of megatron-core's fp32 one;
     compressed, the dense rest joins the bf16 factors: 2 collectives per bucket instead
     of 3, the bytes the shapes give; the replicas stay bit-identical and the loss within
     0.05 of the fp32 wire's; with --overlap-grad-reduce (several buckets, each synced
     during backward) too."""
-    base = small_model_argv + LAYOUTS[layout] + [
-        "--train-iters", "10", "--edgc-mode", "static", "--edgc-rank", str(RANK),
-        "--edgc-start-iter", "4"]
-    runs = {}
-    for wire in ("grad", "bf16"):
-        metrics = str(tmp_path / f"{wire}.jsonl")
-        results = run_job(base + ["--edgc-dense-wire", wire, "--metrics-file", metrics],
-                          str(tmp_path / wire))
-        runs[wire] = (results, read_jsonl(metrics))
-    (res32, rec32), (res16, rec16) = runs["grad"], runs["bf16"]
+    (res32, rec32, _), (res16, rec16, _) = (job(static_from_5(layout, wire))
+                                            for wire in ("grad", "bf16"))
     assert assert_dp_replicas_identical(res16) > 0
     logger = next(r for r in res16 if r["pp"] == 1 and r["dp"] == 0 and r["tp"] == 0)
     buckets = len(logger["bucket_shapes"])
@@ -138,27 +165,29 @@ def test_bf16_dense_wire_halves_the_dense_sync_and_saves_a_collective(layout, sm
     assert abs(rec16[-1]["loss"] - rec32[-1]["loss"]) < 0.05
 
 
-def test_off_is_untouched_megatron_and_start_iter_switches(small_model_argv, tmp_path):
+def test_off_is_untouched_megatron_and_start_iter_switches(job):
     """Mode off and a patched-but-dense run are bit-identical; compression starts at
-    --edgc-start-iter and changes the trajectory from there on."""
-    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "10"]
+    --edgc-start-iter and changes the trajectory from there on. (The start at 4 is the
+    run the bf16 dense wire's test compares with: rank 4, the fp32 wire, run once; it was
+    rank 8 from 5 before issue 71, the same assertions.)"""
     runs = {}
-    for name, extra in {"off": ["--edgc-mode", "off"],
-                        "late": ["--edgc-mode", "static", "--edgc-start-iter", "10"],
-                        "at5": ["--edgc-mode", "static", "--edgc-start-iter", "5"]}.items():
-        metrics = str(tmp_path / f"{name}.jsonl")
-        res = run_job(base + extra + ["--metrics-file", metrics], str(tmp_path / name))
-        runs[name] = ([r["loss"] for r in read_jsonl(metrics)], res, read_jsonl(metrics))
+    for name, flags in {"off": OFF_10,
+                        "late": LAYOUTS["tp1-pp2-dp2"] + [
+                            "--train-iters", "10", "--edgc-mode", "static",
+                            "--edgc-start-iter", "10"],
+                        "at4": static_from_5("tp1-pp2-dp2", "grad")}.items():
+        res, records, _ = job(flags)
+        runs[name] = ([r["loss"] for r in records], res, records)
     off_losses, off_res, _ = runs["off"]
     assert runs["late"][0] == off_losses                  # bitwise, 10 iterations
     for a, b in zip(off_res, runs["late"][1]):
         for name, t in a["params"].items():
             assert torch.equal(t, b["params"][name]), name
-    at5 = runs["at5"][0]
-    assert at5[:5] == off_losses[:5] and at5[5:] != off_losses[5:]
-    recs = runs["at5"][2]
-    assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] for r in recs[:5])
-    assert all(r["dp_bytes_sent"] < r["dp_bytes_dense"] for r in recs[5:])
+    at4 = runs["at4"][0]
+    assert at4[:4] == off_losses[:4] and at4[4:] != off_losses[4:]
+    recs = runs["at4"][2]
+    assert all(r["dp_bytes_sent"] == r["dp_bytes_dense"] for r in recs[:4])
+    assert all(r["dp_bytes_sent"] < r["dp_bytes_dense"] for r in recs[4:])
 
 
 def test_nonfinite_bucket_leaves_error_feedback_untouched(small_model_argv, tmp_path):
@@ -187,21 +216,21 @@ def test_nonfinite_bucket_leaves_error_feedback_untouched(small_model_argv, tmp_
     assert last["dp_nonfinite_buckets"] >= 1
 
 
-def test_bypass_sends_dense_when_compression_does_not_pay(small_model_argv, tmp_path):
+def test_bypass_sends_dense_when_compression_does_not_pay(job):
     """--edgc-bypass auto: on a declared very fast link every bucket goes dense and training
     is bit-identical to plain megatron-core; on a declared very slow link every bucket is
     compressed (bytes from the shapes); measured, the link and the decisions agree on every
-    DP replica."""
-    base = small_model_argv + LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "6"]
-    static = ["--edgc-mode", "static", "--edgc-rank", str(RANK), "--edgc-bypass", "auto"]
+    DP replica. (10 iterations since issue 71, 6 before: the dense run is the one
+    test_off_is_untouched_megatron_and_start_iter_switches asserts on, run once.)"""
+    static = LAYOUTS["tp1-pp2-dp2"] + ["--train-iters", "10", "--edgc-mode", "static",
+                                       "--edgc-rank", str(RANK), "--edgc-bypass", "auto"]
     runs = {}
-    for name, extra in {"off": ["--edgc-mode", "off"],
+    for name, flags in {"off": OFF_10,
                         "fast": static + ["--edgc-link-gbps", "1e6"],
                         "slow": static + ["--edgc-link-gbps", "1e-6"],
                         "measured": static}.items():
-        metrics = str(tmp_path / f"{name}.jsonl")
-        res = run_job(base + extra + ["--metrics-file", metrics], str(tmp_path / name))
-        runs[name] = (read_jsonl(metrics), res)
+        res, records, _ = job(flags)
+        runs[name] = (records, res)
     off, fast, slow, measured = (runs[k][0] for k in ("off", "fast", "slow", "measured"))
     assert [r["loss"] for r in fast] == [r["loss"] for r in off]
     for a, b in zip(runs["off"][1], runs["fast"][1]):
