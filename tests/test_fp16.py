@@ -198,7 +198,7 @@ def test_compression_in_fp16_keeps_fp32_gradient_buffers_by_default(mode, settin
     dense sum did not (BENCHMARKS.md "fp16: does compression add overflows?"), so a
     compressing fp16 run keeps and reduces its gradients in fp32 unless told otherwise;
     a dense run keeps Megatron's default (fp16 buffers)."""
-    from megatron_edgc.config import parse_config
+    from megatron_edgc.config import parse_values
 
     flags = {None: [], True: ["--accumulate-allreduce-grads-in-fp32"],
              False: ["--no-accumulate-allreduce-grads-in-fp32"]}[setting]
@@ -206,5 +206,5 @@ def test_compression_in_fp16_keeps_fp32_gradient_buffers_by_default(mode, settin
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "configs", "tiny-cpu.yaml")
-    cfg = parse_config(["--config", config, "--fp16", "--edgc-mode", mode, *flags])
+    cfg = parse_values(["--config", config, "--fp16", "--edgc-mode", mode, *flags])
     assert cfg.fp16_grads_in_fp32 is want
