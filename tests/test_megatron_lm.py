@@ -711,6 +711,99 @@ def test_the_fallback_resumes_in_the_plug_in(megatron_lm, tmp_path):
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
 
 
+#: Megatron-LM's rerun machine asking, at (0-based) iteration EDGC_TEST_EXIT_AT, for a
+#: checkpoint and an exit after the DP sync and before the optimizer's step (train_step
+#: returns early: the plug-in never hears the step's outcome); then the two-line copy runs
+#: as __main__.
+EARLY_EXIT_SCRIPT = """
+import os, runpy, sys
+from megatron.core.rerun_state_machine import RerunStateMachine
+from megatron.training.global_vars import get_args
+
+AT, original = int(os.environ["EDGC_TEST_EXIT_AT"]), RerunStateMachine.should_checkpoint_and_exit
+
+def should_checkpoint_and_exit(self):
+    if get_args().curr_iteration == AT:
+        return True, True, 0
+    return original(self)
+
+RerunStateMachine.should_checkpoint_and_exit = should_checkpoint_and_exit
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+#: A NaN written into every rank's first gradient after the DP sync of (0-based) iteration
+#: EDGC_TEST_NAN_AT: the sync was finite, the optimizer skips the step on every rank.
+NAN_AFTER_SYNC_SCRIPT = """
+import os, runpy, sys
+from megatron.training import training
+from megatron.training.global_vars import get_args
+
+AT, original = int(os.environ["EDGC_TEST_NAN_AT"]), training.finalize_model_grads
+
+def finalize_model_grads(model, *args, **kwargs):
+    out = original(model, *args, **kwargs)
+    if get_args().curr_iteration == AT:
+        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+    return out
+
+training.finalize_model_grads = finalize_model_grads
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _dp_residuals(ckpt, iteration: int) -> dict:
+    """Each rank's DP compression residuals in its sidecar of ``iteration``, by matrix
+    name (a matrix's pending one included)."""
+    import torch
+
+    folder = os.path.join(ckpt, f"iter_{iteration:07d}", "edgc")
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        state = torch.load(os.path.join(folder, name), weights_only=False)
+        dp = state["extensions"]["dp_compression"]
+        out[name] = {f"{b}/{m}": e["residual"] for b, bucket in dp["buckets"].items()
+                     for m, e in bucket["matrices"].items()}
+        out[name].update({f"{b}/{m}": e for b, bucket in dp["buckets"].items()
+                          for m, e in bucket.get("pending", {}).items()})
+    return out
+
+
+def test_a_save_before_the_optimizer_step_keeps_the_step_as_a_skip(megatron_lm, tmp_path):
+    """Megatron-LM's rerun machine can checkpoint and exit between an iteration's DP sync
+    and its optimizer step (core_v0.16.1's ``train_step`` returns early, before the
+    plug-in's ``end_step``). EDGC (DP and pipeline), exiting so in iteration 5: the saved
+    residuals are those of a job whose optimizer skipped iteration 5 after a finite DP sync
+    (a NaN written into a gradient after it), saved after it: every compressed matrix
+    keeps ``M = G + E`` (issue 71: not ``M - P^ Qᵀ``, as if the step had been applied)."""
+    guard = ["--no-check-for-nan-in-loss-and-grad"]
+    exited, skipped = str(tmp_path / "exited"), str(tmp_path / "skipped")
+    out, records = run_injected(megatron_lm, tmp_path, EARLY_EXIT_SCRIPT,
+                                {"EDGC_TEST_EXIT_AT": "4"},
+                                EDGC + guard + ["--save", exited, "--save-interval", "100"],
+                                "exited")
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4], out[-3000:]
+    with open(os.path.join(exited, "latest_checkpointed_iteration.txt")) as fh:
+        assert fh.read() == "4"
+    out, records = run_injected(megatron_lm, tmp_path, NAN_AFTER_SYNC_SCRIPT, {"EDGC_TEST_NAN_AT": "4"},
+                                EDGC + guard + ["--save", skipped, "--save-interval", "5",
+                                                "--exit-interval", "5"], "skipped")
+    assert [r["skipped"] for r in records] == [False] * 4 + [True], out[-3000:]
+    want, got = _dp_residuals(skipped, 5), _dp_residuals(exited, 4)
+    assert sorted(got) == sorted(want) and len(got) == 4
+    for rank, residuals in want.items():
+        assert sorted(got[rank]) == sorted(residuals) and len(residuals) >= 5, rank
+        for name, e in residuals.items():
+            assert e.abs().sum() > 0 and torch_close(got[rank][name], e), (rank, name)
+
+
+def torch_close(a, b) -> bool:
+    """``a`` equals ``b`` to fp32 rounding (relative L2 1e-6)."""
+    return float((a.float() - b.float()).norm()) <= 1e-6 * float(b.float().norm())
+
+
 #: fp16 with Megatron-LM's dynamic loss scaler: a scale an 8-iteration job can grow from
 #: (every 3 iterations) and halve at once (hysteresis 1)
 FP16 = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3",
