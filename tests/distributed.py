@@ -3,11 +3,11 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
 
+import warm
 from megatron_edgc.compression.matrices import is_compressible, matrix_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,8 +33,8 @@ def run_job(argv, out_dir, timeout=600, env=None):
     Each rank's parallel coordinates, final parameters and summary come back as a dict;
     the logging rank writes the metrics file named in ``argv``.
     """
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "job_runner.py"), out_dir, *argv],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = warm.run([sys.executable, os.path.join(HERE, "job_runner.py"), out_dir, *argv],
+                    timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(os.path.join(out_dir, "stdout.txt"), "w") as fh:   # the job's own lines
         fh.write(proc.stdout)

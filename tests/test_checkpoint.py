@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
+import warm
 from distributed import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pretrain(argv, timeout=300):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *argv],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = warm.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *argv],
+                    timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

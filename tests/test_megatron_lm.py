@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+import warm
 from distributed import compressed_bucket_bytes
 from megatron_lm_job import (ARGS, EDGC, EDGC_DP, ENABLE_LINE, MAIN, PROVIDER, TORCH_DIST,
                             add_two_lines, lm_losses, read_records, torchrun_command,
@@ -114,8 +115,7 @@ def run_megatron_lm(megatron_lm, script: str, extra: list, tmp_path, name: str,
     """One 4-process torchrun of ``script``; returns (output, Megatron's per-iteration lm
     losses, the EDGC metrics records)."""
     cmd, env, metrics = megatron_lm_command(megatron_lm, script, extra, tmp_path, name, nproc)
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+    proc = warm.run(cmd, env=env, cwd=str(tmp_path), timeout=300)
     out = proc.stdout + proc.stderr
     if expect_ok:
         assert proc.returncode == 0, out[-4000:]
@@ -659,8 +659,7 @@ def run_injected(megatron_lm, tmp_path, template: str, variables: dict, extra, n
     script = tmp_path / f"pretrain_gpt_{name}.py"
     script.write_text(template.format(script=megatron_lm[2]))
     cmd, env, metrics = megatron_lm_command(megatron_lm, str(script), extra, tmp_path, name)
-    proc = subprocess.run(cmd, env={**env, **variables}, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = warm.run(cmd, env={**env, **variables}, cwd=str(tmp_path), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out, read_records(metrics)
