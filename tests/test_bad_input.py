@@ -3,11 +3,11 @@ no hang (every subprocess has a timeout), and the checkpoint directory left as i
 
 import hashlib
 import os
-import subprocess
 import sys
 
 import pytest
 
+import warm
 from megatron_edgc.config import ConfigError, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,14 +75,13 @@ def test_corrupted_checkpoint_fails_cleanly_and_is_not_overwritten(small_model_a
     ck = str(tmp_path / "ck")
     run = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"), *small_model_argv,
            *PP2, "--train-iters", "2", "--eval-interval", "2", "--lr-warmup-iters", "1"]
-    subprocess.run(run + ["--save", ck], check=True, capture_output=True, timeout=300,
-                   cwd=ROOT)
+    warm.run(run + ["--save", ck], check=True, timeout=300, cwd=ROOT)
     target = os.path.join(ck, "iter_0000002", "model_optim_tp00_pp001.pt")
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 3])                     # truncated
     before = digest(ck)
-    proc = subprocess.run(run + ["--train-iters", "4", "--load", ck, "--save", ck],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = warm.run(run + ["--train-iters", "4", "--load", ck, "--save", ck],
+                    timeout=300, cwd=ROOT)
     assert proc.returncode != 0
     errors = {l for l in proc.stderr.splitlines() if l.startswith("error:")}
     assert len(errors) == 1, proc.stderr[-3000:]                          # one distinct line

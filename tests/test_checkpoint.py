@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -132,10 +131,10 @@ def test_resume_with_another_dp_size_resets_per_replica_state(small_model_argv, 
     for it in range(8, 11):  # and it trains on close to the uninterrupted run
         assert res_recs[it]["loss"] == pytest.approx(full_recs[it]["loss"], rel=0.02), it
     # a TP/PP change is still refused, naming --load
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
-                          *small_model_argv, "--pipeline-model-parallel-size", "1",
-                          "--data-parallel-size", "4", "--load", str(tmp_path / "ck")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    bad = warm.run([sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+                    *small_model_argv, "--pipeline-model-parallel-size", "1",
+                    "--data-parallel-size", "4", "--load", str(tmp_path / "ck")],
+                   timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "error: --load:" in bad.stderr, bad.stderr[-2000:]
 
 

@@ -3,12 +3,12 @@ torchft's own DiLoCo, Manager and ProcessGroupGloo on 2 local processes, meeting
 ``torchft_lighthouse`` the benchmark starts and stops."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import warm
 from distributed import read_jsonl
 
 pytest.importorskip("torchft", reason="the optional extra bench (pip install -e '.[bench]')")
@@ -27,7 +27,7 @@ def run_peer(argv, tmp_path, extra):
            "--data-parallel-size", "2", "--tensor-model-parallel-size", "1",
            "--pipeline-model-parallel-size", "1", "--global-batch-size", "4",
            "--train-iters", "4", "--eval-interval", "4", "--metrics-file", metrics, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = warm.run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(dump / f"diloco_rank{r}.pt") for r in range(2)]
     return ranks, read_jsonl(metrics), proc
@@ -78,6 +78,6 @@ def test_two_outer_steps_equal_a_hand_computed_nesterov_step(small_model_argv, t
 def test_bad_diloco_flags_fail_before_any_process_starts(small_model_argv, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "torch_ddp_peers.py"), "--hook",
            "diloco", "--diloco-sync-every", "8", "--diloco-fragments", "3", *small_model_argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd, timeout=120)
     assert proc.returncode == 2
     assert "--diloco-fragments: must be >= 1 and divide --diloco-sync-every 8" in proc.stderr

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import warm
 from distributed import read_jsonl
 from megatron_edgc.runtime.telemetry import MetricsWriter
 from megatron_edgc.training.launch import worker_name
@@ -80,8 +81,8 @@ def test_killed_rank_restarts_from_last_checkpoint(layout, small_model_argv, tmp
     script = os.path.join(ROOT, "pretrain_gpt2_edgc.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = str(tmp_path / "full.jsonl")
-    subprocess.run([sys.executable, script, *base, "--metrics-file", full], check=True,
-                   capture_output=True, timeout=300, cwd=ROOT, env=env)
+    warm.run([sys.executable, script, *base, "--metrics-file", full], check=True,
+             timeout=300, cwd=ROOT, env=env)
     metrics, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
     # a restartable job: --load = --save (no checkpoint yet: it starts from 0)
     cmd = [sys.executable, script, *base, "--metrics-file", metrics, "--save", ck,
@@ -101,7 +102,7 @@ def test_killed_rank_restarts_from_last_checkpoint(layout, small_model_argv, tmp
     assert last in (5, 10, 15) and last <= crashed[-1] < 20, (last, crashed)
     assert crashed == list(range(1, crashed[-1] + 1))
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    again = warm.run(cmd, timeout=300, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {ck} at iteration {last}\n" in again.stdout, again.stdout[-3000:]
     got = read_jsonl(metrics)
@@ -179,8 +180,7 @@ def run_crashing_job(tmp_path, kill: bool, unseen: bool = False):
     the launcher sees rank 1's end only together with its peers' ends."""
     script = tmp_path / "job.py"
     script.write_text(CRASHING_JOB.format(root=ROOT, kill=kill, unseen=unseen))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+    proc = warm.run([sys.executable, str(script)], timeout=120)
     assert proc.returncode == 1
     # The peers' consequences (gloo's closed connections) are never shown.
     assert "gloo" not in proc.stderr.lower() and "Connection closed" not in proc.stderr
@@ -223,9 +223,8 @@ def test_failed_save_says_so_once_and_keeps_the_last_checkpoint(small_model_argv
     base = small_model_argv + SLOW_HOP_BF16 + ["--train-iters", "10", "--edgc-mode", "static",
                                               "--edgc-rank", "4"]
     failed = str(tmp_path / "failed.jsonl")
-    proc = subprocess.run([sys.executable, script, *base, "--save", str(save),
-                           "--save-interval", "5", "--metrics-file", failed],
-                          capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, script, *base, "--save", str(save),
+                     "--save-interval", "5", "--metrics-file", failed], timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
@@ -262,9 +261,8 @@ def test_failed_save_says_so_once_and_keeps_the_last_checkpoint(small_model_argv
     # Resumed from it: iterations 6 and 7 of the failed run, bit for bit (the residuals
     # enter the update of iteration 6, so the loss of 7).
     resumed = str(tmp_path / "resumed.jsonl")
-    proc = subprocess.run([sys.executable, script, *base, "--load", str(save),
-                           "--exit-interval", "7", "--metrics-file", resumed],
-                          capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, script, *base, "--load", str(save),
+                     "--exit-interval", "7", "--metrics-file", resumed], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {save} at iteration 5\n" in proc.stdout, proc.stdout[-3000:]
     assert "compressor state" not in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -6,11 +6,11 @@ runner's cases share one launch (:data:`CASES`)."""
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
+import warm
 from distributed import compressed_bucket_bytes, slow_hop_shard_bytes
 from megatron_edgc.compression.matrices import is_compressible, matrix_shape
 
@@ -25,10 +25,10 @@ CASES = ("cp2", "ep2", "inst2", "inst2-bypass")
 
 def run_cases(cases, out_dir: str) -> dict:
     """``case -> [each rank's results]`` of one launch of the runner over ``cases``."""
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "4", os.path.join(HERE, "group_sync_runner.py"), ",".join(cases), out_dir],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {}
     for case in cases:

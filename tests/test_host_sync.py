@@ -562,12 +562,13 @@ def run_counted_job(argv, out_dir, timeout=300) -> list:
     """A trainer job under ``tests/host_sync.py``'s counter; every rank's syncs."""
     import json
     import os
-    import subprocess
     import sys
 
+    import warm
+
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "host_sync.py"), out_dir, *argv],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = warm.run([sys.executable, os.path.join(here, "host_sync.py"), out_dir, *argv],
+                    timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ranks = sorted(f for f in os.listdir(out_dir) if f.startswith("syncs_rank"))
     assert len(ranks) == 4, ranks

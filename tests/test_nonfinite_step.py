@@ -6,12 +6,12 @@ counted and named, and the run ends finite, exit 0."""
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import warm
 from distributed import LAYOUTS, assert_dp_replicas_identical, read_jsonl, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,9 +23,8 @@ def test_a_nonfinite_norm_leaves_parameters_and_optimizer_state_bit_identical():
     makes ``step()`` return False and leaves the parameters, the fp32 main parameters and
     the Adam state bit-identical; the next clean step updates them. Without the guard the
     NaN reaches the weights (the bug)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "optimizer_guard_runner.py")],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = warm.run([sys.executable, os.path.join(HERE, "optimizer_guard_runner.py")],
+                    timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {r["variant"]: r for r in map(json.loads, (line for line in
                                                           proc.stdout.splitlines()
