@@ -529,7 +529,7 @@ class Checklist:
     def e2e_size(self, config: str) -> E2ESize:
         """How ``config``'s e2e runs are sized on this device (:data:`MEASURED`)."""
         sizes = MEASURED.get(config)
-        return sizes["cuda" if self.cuda else "cpu"] if sizes else E2ESize()
+        return sizes["cuda" if self.cuda else "cpu"] if sizes else E2ESize(self.args.e2e_iters)
 
     def check_e2e(self, name: str, config: str, mode: str, extra: list = ()):
         if "--grad-reduce-in-bf16" in extra and not self.bf16:
@@ -975,6 +975,10 @@ def main(argv=None) -> int:
                     help=f"Megatron-LM {MEGATRON_LM_TAG}: a tarball or a directory (default: "
                          "the first of build/megatron-lm/megatron-lm-{tag}.tar.gz, its "
                          "directory, ../shared/vendor/ that exists)")
+    ap.add_argument("--e2e-iters", type=int, default=E2E_ITERS,
+                    help=f"iterations of the e2e runs of configs at their own size (default "
+                         f"{E2E_ITERS}; even, past EDGC's warm-up of {E2E_WARMUP_ITERS}: the "
+                         f"resume starts at half)")
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 on CPU too (on CUDA it always does)")
     ap.add_argument("--run-timeout", type=float, default=None,
@@ -986,6 +990,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs: must be >= 1")
+    if args.e2e_iters < E2E_WARMUP_ITERS + 2 or args.e2e_iters % 2:
+        ap.error(f"--e2e-iters: must be even and >= {E2E_WARMUP_ITERS + 2} (got "
+                 f"{args.e2e_iters})")
     if args.report:
         write_benchmarks(args.report)
         return 0

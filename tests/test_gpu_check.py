@@ -77,6 +77,7 @@ def test_the_plan_follows_modes_configs_and_the_gpu_count(tmp_path):
 
     def plan(gpus, configs):
         args = argparse.Namespace(device="cuda", bf16=False, out=str(tmp_path), target=None,
+                                  e2e_iters=40,
                                   only=None, configs=configs, modes=["static", "edgc"],
                                   variants=list(gpu_check.E2E_VARIANTS), gpus=gpus, jobs=8)
         checks = gpu_check.Checklist.__new__(gpu_check.Checklist)
@@ -98,10 +99,12 @@ def test_the_plan_follows_modes_configs_and_the_gpu_count(tmp_path):
 
 
 def test_dry_run_passes_every_check(tmp_path):
-    """Every check but the plug-in's (below, extended), 2 at a time."""
+    """Every check but the plug-in's (below, extended), 2 at a time, the e2e runs at 20
+    iterations (the checklist's 40 on the device)."""
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--bf16", "--configs",
-                           "tiny-cpu", "--jobs", "2", "--out", str(out), "--only", "install",
+                           "tiny-cpu", "--e2e-iters", "20", "--jobs", "2", "--out", str(out),
+                           "--only", "install",
                            "data", "unit", "e2e", "gloo4", "sync", "kernels"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,10 +124,10 @@ def test_dry_run_passes_every_check(tmp_path):
         assert c["ok"] and c["loss_falls"]
         assert c["resume_max_abs_loss_diff"] == 0.0  # CPU: the resumed run is exact
     assert off["compressed_iterations"] == 0 and off["dp_bytes_last"] == off["dp_bytes_dense"]
-    assert static["compressed_iterations"] == 40
+    assert static["compressed_iterations"] == 20
     assert static["dp_bytes_last"] < static["dp_bytes_dense"] / 10
     # EDGC: dense through its warm-up (10 iterations), compressed after it
-    assert edgc["compressed_iterations"] == 30
+    assert edgc["compressed_iterations"] == 10
     kernels = json.loads((out / "kernels.json").read_text())
     assert set(kernels["configs"]) == {"gpt2-2.5b-v100x32", "gpt2-12.1b-h100x64"}
     assert all(r["total"] > 0 for e in kernels["configs"].values() for r in e["runs"])
@@ -175,7 +178,7 @@ def measured_checklist(gpu_check, tmp_path, monkeypatch, device, runs):
     ``runs(name, flags) -> (records, log)``; returns it and the list of (name, flags) run."""
     monkeypatch.setattr(gpu_check.Checklist, "environment", lambda self: {"device": device})
     args = argparse.Namespace(device=device, bf16=device == "cpu", out=str(tmp_path / "out"),
-                              target=None, only=["e2e"], configs=["gpt2-medium"],
+                              target=None, e2e_iters=40, only=["e2e"], configs=["gpt2-medium"],
                               modes=list(gpu_check.MODES), variants=list(gpu_check.E2E_VARIANTS),
                               gpus=1, jobs=2, run_timeout=60.0)
     checks = gpu_check.Checklist(args)
@@ -215,7 +218,7 @@ def test_the_fp16_checks_train_in_fp16_and_report_the_scalers_work(tmp_path, mon
     gpu_check = load_gpu_check()
     monkeypatch.setattr(gpu_check.Checklist, "environment", lambda self: {"device": "cuda"})
     args = argparse.Namespace(device="cuda", bf16=False, out=str(tmp_path / "out"),
-                              target=None, only=["e2e"], configs=["gpt2-small-cpu"],
+                              target=None, e2e_iters=40, only=["e2e"], configs=["gpt2-small-cpu"],
                               modes=["static"], variants=["e2e-gpt2-small-cpu-static-fp16"],
                               gpus=1, jobs=1, run_timeout=60.0)
     checks = gpu_check.Checklist(args)
@@ -247,6 +250,7 @@ def test_the_measured_config_runs_last_one_at_a_time_off_first(tmp_path):
 
     def plan(configs, modes=("off", "static", "edgc")):
         args = argparse.Namespace(device="cuda", bf16=False, out=str(tmp_path), target=None,
+                                  e2e_iters=40,
                                   only=None, configs=configs, modes=list(modes),
                                   variants=list(gpu_check.E2E_VARIANTS), gpus=1, jobs=8)
         checks = gpu_check.Checklist.__new__(gpu_check.Checklist)
