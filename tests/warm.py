@@ -276,13 +276,16 @@ def _exit(code: int) -> None:
 
 
 def serve() -> None:
+    # the replies on a descriptor of their own; anything else printed goes to stderr
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     _preload()
-    replies = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
             try:
+                replies.close()
                 _job(request)
             finally:
                 os._exit(1)
