@@ -100,7 +100,8 @@ def bf16_trained(mode: str) -> bool:
 
 
 def compresses(mode: str) -> bool:
-    return flag(mode, "--edgc-mode") in ("static", "edgc") or flag(mode, "--hook") == "powersgd"
+    return flag(mode, "--edgc-mode") in ("static", "edgc") or \
+        flag(mode, "--hook") in ("powersgd", "powersgd-bf16")
 
 
 def mode_bytes(mode: str, rank, shapes) -> list:
@@ -114,12 +115,15 @@ def mode_bytes(mode: str, rank, shapes) -> list:
     if rank is None or not compresses(mode):
         wire = flag(mode, "--edgc-dense-wire") or (
             DENSE_WIRE if flag(mode, "--edgc-mode") in ("static", "edgc") else None)
-        bf16 = bf16_trained(mode) or "bf16" in (wire, flag(mode, "--hook"))
+        bf16 = bf16_trained(mode) or "bf16" in (wire, flag(mode, "--hook")) or \
+            flag(mode, "--hook") == "powersgd-bf16"   # the wrapper's bf16 warm-up
         return [("allreduce", params * (2 if bf16 else 4))]
     if flag(mode, "--hook") == "powersgd":
         return [("allreduce", b) for b in sync_bytes(mats, rest, rank, 4, factor_bytes=4)]
     b1, b2 = sync_bytes(mats, rest, rank, 4, factor_bytes=2)
-    if bf16_trained(mode):   # sync_bytes prices the rest at fp32: at bf16 it is half
+    # sync_bytes prices the rest at fp32: at bf16 (bf16 buffers; the hook's bf16 wrapper)
+    # it is half
+    if bf16_trained(mode) or flag(mode, "--hook") == "powersgd-bf16":
         b1 -= sync_bytes(mats, rest, rank, 4, factor_bytes=0)[0] / 2
     return [("allreduce", b1), ("allreduce", b2)]
 

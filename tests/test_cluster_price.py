@@ -40,6 +40,10 @@ def test_powersgd_bytes():
     assert bf16 == factors * 2 + rest * 2                   # the rest in bf16 too
     hook = sum(b for _, b in cp.mode_bytes("hook r_max", 32, SHAPES))
     assert hook == factors * 4 + rest * 4                   # torch's hook: all fp32
+    wrapped = sum(b for _, b in cp.mode_bytes("hook r_max bf16", 32, SHAPES))
+    assert wrapped == factors * 2 + rest * 2                # in bf16_compress_wrapper
+    assert sum(b for _, b in cp.mode_bytes("hook r_max bf16", None, SHAPES)) == \
+        2 * (sum(n * m for n, m in mats) + rest)            # its warm-up: a bf16 all-reduce
     # the H100 run's measured dp_bytes_sent at r64 (fp32 buffers / bf16 buffers)
     assert sum(b for _, b in cp.mode_bytes("static r_max", 64, SHAPES)) == \
         pytest.approx(58_449_924, abs=8)
