@@ -16,6 +16,7 @@ same data and seeds. Two precisions, and ratios only within one:
   product's dense sync on a bf16 wire, ``--edgc-dense-wire bf16``: the warm-up's and the
   bypass's; timed only, its curve is bf16 wire's), ``uint8``
   (``quantization_perchannel_hook``'s algorithm), ``hook r_max`` (``powerSGD_hook``),
+  ``hook r_max bf16`` (``powerSGD_hook`` in ``bf16_compress_wrapper``: bf16 factors),
   ``local SGD /8`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``, every 8 steps),
   ``DiLoCo H8`` / ``DiLoCo H32`` (torchft's ``DiLoCo`` with its own lighthouse, started
   by the peer: inner AdamW, outer Nesterov lr 0.7 momentum 0.9, a sync every H steps)
@@ -48,8 +49,8 @@ and a mode equal to dense missed it by a seed's noise; it stays in a column). Ea
 time is its loss run's iterations priced at its measured ms/iter per link, interpolated
 between evaluations (scripts/plot_run.py). Ratios are against the fastest peer of the same
 precision (peers: every mode that is not this product's), and EDGC against static r_max of
-its precision, paired per seed and repetition; a ratio range that spans 1 is no
-difference. Writes ``bench/results/peers/`` and the ``peers`` section of BENCHMARKS.md,
+its precision, paired per seed and repetition; a ratio range that spans 1 is not
+resolved (the race's one rule: ``ratio_verdict``). Writes ``bench/results/peers/`` and the ``peers`` section of BENCHMARKS.md,
 from all recorded runs.
 """
 
@@ -128,6 +129,8 @@ def modes(iters: int) -> dict:
         "bf16 wire": (DDP, ["--hook", "bf16"]),
         "uint8": (DDP, ["--hook", "quantize"]),
         "hook r_max": (DDP, ["--hook", "powersgd", "--hook-rank", str(R_MAX)]),
+        # the hook in PyTorch's bf16_compress_wrapper: bf16 factors, as EDGC's
+        "hook r_max bf16": (DDP, ["--hook", "powersgd-bf16", "--hook-rank", str(R_MAX)]),
         "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
         "DiLoCo H8": (DDP, ["--hook", "diloco", "--diloco-sync-every", "8"]),
         "DiLoCo H32": (DDP, ["--hook", "diloco", "--diloco-sync-every", "32"]),
@@ -361,6 +364,9 @@ def iters_cell(vals: list) -> str:
 
 
 def ratio_verdict(ratios: list) -> str:
+    """The race's one rule (issue 72): over the paired ratios (seeds × repetitions)
+    "faster" only where every one is below 1, "slower" only where every one is above,
+    "not resolved" otherwise (not "no difference": the spread does not show one)."""
     if not ratios:
         return "—"
     cell = spread(ratios, ".2f") + "×"
@@ -368,7 +374,7 @@ def ratio_verdict(ratios: list) -> str:
         return cell + " faster"
     if min(ratios) > 1.0:
         return cell + " slower"
-    return cell + " no difference"
+    return cell + " not resolved"
 
 
 def paired(ttt: dict, mode: str, other: str):
@@ -526,10 +532,11 @@ def main() -> int:
             f"of dense fp32 and bf16 wire over the seeds ({fmt(old)}), in the last column. "
             f"Ratios pair seeds × repetitions against the fastest peer (a mode not this "
             f"product's) trained in the same precision, and EDGC against static PowerSGD at "
-            f"r_max of its precision; a range spanning 1 is no difference.\n\n"
+            f"r_max of its precision; faster or slower only where every paired ratio is "
+            f"on one side of 1, not resolved otherwise.\n\n"
             + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
                        "of its run), priced the same way; the fastest median in bold, a "
-                       "spread overlapping another's is no difference:\n\n"
+                       "spread overlapping another's is not resolved:\n\n"
                        + levels_table(data) if long_run else "") + "\n\n<!-- notes -->")
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",
                   "Against the peers a user would run instead: time to a target loss"

@@ -3,6 +3,7 @@
 
     python bench/torch_ddp_peers.py --hook powersgd --hook-rank 32 --data-parallel-size 4 \
         --pipeline-model-parallel-size 1 [any pretrain_gpt2_edgc.py flag]
+    python bench/torch_ddp_peers.py --hook powersgd-bf16 ...  # the same in bf16_compress_wrapper
     python bench/torch_ddp_peers.py --hook allreduce ...      # torch DDP, plain all-reduce
     python bench/torch_ddp_peers.py --hook bf16 ...           # default_hooks.bf16_compress_hook
     python bench/torch_ddp_peers.py --hook quantize ...       # quantization_perchannel_hook (uint8)
@@ -11,6 +12,9 @@
 
 ``--hook``: ``powersgd``: PyTorch's ``powerSGD_hook`` at ``--hook-rank`` (error feedback,
 warm start, ``--hook-start-iter`` iterations of plain all-reduce first, its minimum 2);
+``powersgd-bf16``: the same hook inside ``bf16_compress_wrapper`` (PyTorch's wrapper: the
+bucket cast to bf16, the hook's factors and its warm-up all-reduce in bf16, the result
+cast back; EDGC's factors are bf16 too);
 ``bf16``: ``bf16_compress_hook`` (half the bytes, all-reduce); ``quantize``:
 ``quantization_perchannel_hook``'s algorithm (:func:`quantize_perchannel_hook`: uint8 per
 512-element channel plus an fp32 scale and zero point each, exchanged with all-gathers:
@@ -63,7 +67,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-HOOKS = ("powersgd", "allreduce", "bf16", "quantize", "local-sgd", "diloco")
+HOOKS = ("powersgd", "powersgd-bf16", "allreduce", "bf16", "quantize", "local-sgd", "diloco")
+#: the hooks that are PyTorch's powerSGD_hook (its state, start iteration and counters)
+POWERSGD = ("powersgd", "powersgd-bf16")
 CHANNEL = 512   # quantization_perchannel_hook's default bucket_size
 
 
@@ -115,14 +121,15 @@ class TimedHook:
 
     def __call__(self, state, bucket):
         self.last_ready = time.perf_counter()
-        powersgd = self.kind == "powersgd"
+        powersgd = self.kind in POWERSGD
         before = state.total_numel_after_compression if powersgd else None
         local = self.kind == "local-sgd" and state.iter >= state.start_localSGD_iter
         fut = self.hook(state, bucket)
         buf = bucket.buffer()
+        wire = 2 if self.kind == "powersgd-bf16" else buf.element_size()   # the wrapper's bf16
         if powersgd and state.total_numel_after_compression != before:
-            self.bytes_sent += (state.total_numel_after_compression - before) * buf.element_size()
-        elif self.kind == "bf16":
+            self.bytes_sent += (state.total_numel_after_compression - before) * wire
+        elif self.kind in ("bf16", "powersgd-bf16"):   # the wrapper's bf16 all-reduce first
             self.bytes_sent += buf.numel() * 2
         elif self.kind == "quantize":
             channels = -(-buf.numel() // CHANNEL)
@@ -211,6 +218,17 @@ class DiLoCoEngine:
                              fragment_sync_delay=opts.diloco_fragment_sync_delay)
         self.diloco.__enter__()
         self._synced = self.manager.current_step()
+        #: outer rounds, and those torchft discarded (``should_commit`` false: the round's
+        #: pseudo-gradient is dropped and the local weights restored)
+        self.rounds = self.discarded = 0
+        should_commit = self.manager.should_commit
+
+        def counted(*args, **kwargs):
+            ok = should_commit(*args, **kwargs)
+            self.rounds += 1
+            self.discarded += not ok
+            return ok
+        self.manager.should_commit = counted
 
     def _weights(self) -> dict:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -306,13 +324,15 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
         hook = None
         if kind == "diloco":
             pass
-        elif kind == "powersgd":
+        elif kind in POWERSGD:
             state = powerSGD_hook.PowerSGDState(
                 process_group=dp_group, matrix_approximation_rank=opts.hook_rank,
                 start_powerSGD_iter=opts.hook_start_iter,
                 min_compression_rate=e.min_compression_rate, use_error_feedback=True,
                 warm_start=True, random_seed=t.seed)
-            hook = TimedHook(powerSGD_hook.powerSGD_hook, state, kind)
+            hook = TimedHook(powerSGD_hook.powerSGD_hook if kind == "powersgd" else
+                             default_hooks.bf16_compress_wrapper(powerSGD_hook.powerSGD_hook),
+                             state, kind)
         elif kind == "local-sgd":
             # each rank its own subgroup: between averagings nothing crosses the DP links
             own, _ = dist.new_subgroups(group_size=1)
@@ -354,7 +374,8 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                         dp_size, os.environ.get("MASTER_ADDR", "127.0.0.1")))
                 dist.broadcast_object_list(box, src=0)
                 opts.lighthouse = box[0]
-            diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device)
+            if opts.diloco_warmup_iters == 0:
+                diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters,
@@ -382,10 +403,22 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
 
         @torch.no_grad()
         def evaluate() -> float:
+            """The validation loss of the global model: where the replicas drift apart
+            between syncs (local SGD, DiLoCo) of the replicas' average, the global model
+            at an outer-sync boundary; each rank's own weights are restored after."""
+            drift = kind in ("local-sgd", "diloco")
+            own = [p.detach().clone() for p in model.parameters()] if drift else None
+            if drift:
+                for p in model.parameters():
+                    dist.all_reduce(p.data, group=dp_group)
+                    p.data.div_(dp_size)
             net.eval()
             losses = [micro_loss(model, b).item() for k in range(cfg.eval.eval_iters)
                       for b in valid.micro_batches(k)]
             net.train()
+            if drift:
+                for p, w in zip(model.parameters(), own):
+                    p.data.copy_(w)
             return dp_mean(float(numpy.mean(losses)))
 
         is_logger = rank == 0
@@ -412,6 +445,11 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                         loss = micro_loss(net, batch)
                         (loss / nmb).backward()
                 losses.append(loss.detach())
+            dense_warmup = kind == "diloco" and it < opts.diloco_warmup_iters
+            if dense_warmup:   # DiLoCo's dense warm-up: every gradient averaged, as DDP's
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad.div_(dp_size)
             if on_gpu:
                 torch.cuda.synchronize()
             ready = time.perf_counter()
@@ -422,7 +460,14 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                         % averager.period == 0:
                     hook.bytes_sent += param_bytes
             optimizer.step()     # DiLoCo: the outer sync runs in its step hook, every H
-            bytes_sent = diloco.bytes_after_step() if diloco is not None else hook.bytes_sent
+            if dense_warmup:
+                bytes_sent = param_bytes
+                if it + 1 == opts.diloco_warmup_iters:   # DiLoCo from the warm-up's weights
+                    diloco = DiLoCoEngine(model, optimizer, opts, dp_rank, dp_size, device)
+            elif diloco is not None:
+                bytes_sent = diloco.bytes_after_step()
+            else:
+                bytes_sent = hook.bytes_sent
             scheduler.step(increment=1)
             if on_gpu:
                 torch.cuda.synchronize()
@@ -438,7 +483,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                                        if hook is not None and hook.last_ready is not None
                                        else float("nan")],
                       "dp_bytes_sent_job": int(sent.item()),
-                      "rank_dp": [opts.hook_rank] if kind == "powersgd" and
+                      "rank_dp": [opts.hook_rank] if kind in POWERSGD and
                       it >= opts.hook_start_iter else None}
             if (it + 1) % cfg.eval.eval_interval == 0 or it + 1 == t.train_iters:
                 val_loss = evaluate()
@@ -453,16 +498,29 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       + (f" | val loss {val_loss:.4f}" if "val_loss" in record else ""),
                       flush=True)
         writer.close()
+        rounds = discarded = None
         if diloco is not None:
+            rounds, discarded = diloco.rounds, diloco.discarded
             diloco.close(os.path.join(opts.diloco_dump or ".", f"diloco_rank{dp_rank}.pt"))
         summary = summarize(history, val_loss, time.perf_counter() - start, cfg)
+        if rounds is not None:   # every replica's count: a discarded round anywhere shows
+            counts = torch.tensor([rounds, discarded], dtype=torch.float64, device=device)
+            dist.all_reduce(counts)
+            summary["diloco_rounds"], summary["diloco_discarded_rounds"] = \
+                int(counts[0].item()) // dp_size, int(counts[1].item())
+        summary["val_on"] = "the replicas' average" if kind in ("local-sgd", "diloco") \
+            else "the replicas (identical)"
         summary["engine"] = {
             "powersgd": f"torch DDP + powerSGD_hook r{opts.hook_rank}",
+            "powersgd-bf16": f"torch DDP + bf16_compress_wrapper(powerSGD_hook) "
+                             f"r{opts.hook_rank}",
             "allreduce": "torch DDP all-reduce", "bf16": "torch DDP + bf16_compress_hook",
             "quantize": "torch DDP + quantization_perchannel_hook (uint8)",
             "local-sgd": f"torch DDP + post-local SGD, average every {opts.local_sgd_period}",
             "diloco": f"torchft DiLoCo, H {opts.diloco_sync_every}, outer Nesterov lr "
                       f"{opts.diloco_outer_lr} momentum {opts.diloco_outer_momentum}"
+                      + (f", after {opts.diloco_warmup_iters} dense iterations"
+                         if opts.diloco_warmup_iters else "")
                       + (f", {opts.diloco_fragments} fragments, delay "
                          f"{opts.diloco_fragment_sync_delay}" if opts.diloco_fragments > 1
                          else "")}[kind]
@@ -504,6 +562,9 @@ def main(argv=None) -> int:
                    help="Streaming DiLoCo: fragments synced in turn (1: plain DiLoCo)")
     p.add_argument("--diloco-fragment-sync-delay", type=int, default=0,
                    help="Streaming DiLoCo: inner steps a fragment's sync overlaps")
+    p.add_argument("--diloco-warmup-iters", type=int, default=0,
+                   help="DiLoCo: iterations of dense gradient averaging first (EDGC's "
+                        "warm-up), its time charged to the run; then DiLoCo from there")
     p.add_argument("--diloco-timeout-s", type=float, default=120.0,
                    help="DiLoCo: torchft's quorum and collective timeout")
     p.add_argument("--lighthouse", default=None,
@@ -528,10 +589,10 @@ def main(argv=None) -> int:
     if opts.hook_rank < 0:
         print("error: --hook-rank: must be >= 0", file=sys.stderr)
         return 2
-    if opts.hook == "powersgd" and opts.hook_rank < 1:
-        print("error: --hook-rank: powersgd needs >= 1", file=sys.stderr)
+    if opts.hook in POWERSGD and opts.hook_rank < 1:
+        print(f"error: --hook-rank: {opts.hook} needs >= 1", file=sys.stderr)
         return 2
-    if opts.hook == "powersgd" and opts.hook_start_iter < 2:
+    if opts.hook in POWERSGD and opts.hook_start_iter < 2:
         print("error: --hook-start-iter: PyTorch's powerSGD_hook needs >= 2 with error "
               "feedback", file=sys.stderr)
         return 2
@@ -563,6 +624,8 @@ def diloco_problem(opts):
         return f"--diloco-sync-every: must be >= 1 (got {opts.diloco_sync_every})"
     if opts.diloco_outer_lr <= 0:
         return f"--diloco-outer-lr: must be > 0 (got {opts.diloco_outer_lr})"
+    if opts.diloco_warmup_iters < 0:
+        return f"--diloco-warmup-iters: must be >= 0 (got {opts.diloco_warmup_iters})"
     if not 0 <= opts.diloco_outer_momentum < 1:
         return f"--diloco-outer-momentum: must be in [0, 1) (got {opts.diloco_outer_momentum})"
     if opts.diloco_fragments < 1 or opts.diloco_sync_every % opts.diloco_fragments:

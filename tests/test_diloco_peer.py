@@ -73,6 +73,36 @@ def test_two_outer_steps_equal_a_hand_computed_nesterov_step(small_model_argv, t
                for n in averaged) > 1e-6
     param_bytes = sum(w.numel() * 4 for w in ranks[0]["initial"].values())
     assert [rec["dp_bytes_sent_job"] for rec in records] == [0, 2 * param_bytes] * 2
+    summary = read_summary(tmp_path)
+    assert summary["diloco_rounds"] == 2 and summary["diloco_discarded_rounds"] == 0
+    assert summary["val_on"] == "the replicas' average"
+
+
+def read_summary(tmp_path) -> dict:
+    import json
+
+    with open(tmp_path / "diloco.summary.json") as fh:
+        return json.load(fh)
+
+
+def test_the_dense_warm_up_arm_averages_gradients_then_starts_diloco(small_model_argv,
+                                                                     tmp_path):
+    """``--diloco-warmup-iters 2`` (the warm-up EDGC gets), then DiLoCo at H = 2 for 4
+    inner steps: the warm-up sends every gradient (the ranks stay identical: DiLoCo starts
+    from one model on both), then one fp32 all-reduce of the weights per sync; no round
+    discarded."""
+    ranks, records, proc = run_peer(small_model_argv, tmp_path,
+                                    ["--diloco-warmup-iters", "2", "--train-iters", "6",
+                                     "--eval-interval", "6"])
+    assert "after 2 dense iterations" in proc.stdout
+    assert all(torch.equal(ranks[0]["initial"][n], ranks[1]["initial"][n])
+               for n in ranks[0]["initial"])
+    assert [len(r["syncs"]) for r in ranks] == [2, 2]
+    param_bytes = sum(w.numel() * 4 for w in ranks[0]["initial"].values())
+    assert [rec["dp_bytes_sent_job"] for rec in records] == \
+        [2 * param_bytes] * 2 + [0, 2 * param_bytes] * 2
+    summary = read_summary(tmp_path)
+    assert summary["diloco_rounds"] == 2 and summary["diloco_discarded_rounds"] == 0
 
 
 def test_bad_diloco_flags_fail_before_any_process_starts(small_model_argv, tmp_path):
