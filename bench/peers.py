@@ -37,7 +37,10 @@ Two kinds of runs, composed:
 1. **Loss curves**: each mode, 5 seeds (``--seed 1234+i``), ``--loss-iters`` iterations
    (200), an evaluation every 20, on loopback (the curve does not depend on the link).
 2. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
-   rank, bench/netns.py): each mode ``--time-iters`` iterations (40), 2 repetitions, its
+   rank, bench/netns.py): each mode ``--time-iters`` iterations (40), 3 repetitions
+   interleaved (every mode once per repetition), in one timing session on one version
+   of the timed code (``timing_session``: runs of other code are moved aside, never
+   reused; the section names the session's code, start and CPU), its
    steady ms/iter (after its warm-up; EDGC's windows scaled to the short run), DP sync and
    bytes. EDGC's dense warm-up iterations of the loss run are priced at the mode's own
    measured warm-up ms/iter (iterations 3 to its end).
@@ -57,6 +60,7 @@ from all recorded runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -77,7 +81,7 @@ PURE_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size"
            "--data-parallel-size", "4"]
 RATES = ["100mbit", "300mbit", "1gbit"]
 SEEDS = [1234, 1235, 1236, 1237, 1238]
-REPEATS = 2
+REPEATS = 3   # issue 72: at least 3, interleaved (every mode once per repetition)
 EVAL_EVERY = 20
 OURS = ("ours dense bf16 wire", "static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
 #: The modes trained in bf16 (bf16 mixed precision, bf16 gradient buffers); the rest fp32.
@@ -181,7 +185,54 @@ def run_losses(out: str, iters: int, only=None, seeds=SEEDS) -> None:
                          os.path.join(out, "loss"), iters, reuse=True, script=script)
 
 
+#: What a timing run executes: a commit touching none of it (docs, tests, the report)
+#: keeps the session going.
+TIMED_CODE = ["megatron_edgc", "pretrain_gpt2_edgc.py", "configs", "bench/torch_ddp_peers.py"]
+
+
+def code_version() -> str:
+    """The code the timing prices: the last commit that changed :data:`TIMED_CODE`,
+    ``-dirty`` with local changes to it."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    return git("log", "-1", "--format=%h", "--abbrev=12", "--", *TIMED_CODE) + (
+        "-dirty" if git("status", "--porcelain", "-uno", "--", *TIMED_CODE) else "")
+
+
+def timing_session(out: str, code: str) -> dict:
+    """The one timing session of ``out`` (issue 72: every mode timed in one session, on
+    the landed code): ``out/time/session.json``. Runs timed on other code are moved aside
+    to ``out/time-<code>/`` (kept, never read, never reused) and a new session starts."""
+    import datetime
+    import shutil
+
+    from bench.report import machine
+
+    folder = os.path.join(out, "time")
+    path = os.path.join(folder, "session.json")
+    session = None
+    if os.path.exists(path):
+        with open(path) as fh:
+            session = json.load(fh)
+    elif os.path.isdir(folder) and os.listdir(folder):
+        session = {"code": "unknown"}   # timed before sessions were recorded
+    if session is not None and session["code"] != code:
+        shutil.move(folder, os.path.join(out, f"time-{session['code']}"))
+        session = None
+    if session is None:
+        os.makedirs(folder, exist_ok=True)
+        session = {"code": code, "machine": machine(), "started":
+                   datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        with open(path, "w") as fh:
+            json.dump(session, fh)
+    return session
+
+
 def run_timing(out: str, iters: int, only=None, rates=RATES, repeats=REPEATS) -> None:
+    timing_session(out, code_version())
     port = 29700
     for rate in rates:
         try:
@@ -273,7 +324,11 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
     for mode, base in LOSS_OF.items():
         if base in loss:
             loss[mode] = loss[base]
-    return {"loss": loss, "time": timing}
+    session = os.path.join(time_dir or out, "time", "session.json")
+    with contextlib.suppress(OSError):
+        with open(session) as fh:
+            return {"loss": loss, "time": timing, "session": json.load(fh)}
+    return {"loss": loss, "time": timing, "session": None}
 
 
 def final_val(records):
@@ -524,7 +579,12 @@ def main() -> int:
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, args.seeds))}, an evaluation "
             f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} "
             f"iterations per link "
-            f"(tbf-shaped veth per rank), {args.repeats} repetitions; ms/iter, DP sync, "
+            f"(tbf-shaped veth per rank), {args.repeats} repetitions, every mode once per "
+            f"repetition, in one timing session"
+            + (f" (code {data['session']['code']}, started {data['session']['started']}, "
+               f"{data['session'].get('machine', '?')})" if data.get("session") and
+               "started" in data["session"] else " (timed before sessions were recorded)")
+            + f"; ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
             f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
             f"link's ms/iter, to dense fp32's val loss at {TARGET_FRACTION:.0%} of its run, the "

@@ -17,3 +17,31 @@ def test_a_verdict_needs_the_whole_range_on_one_side_of_one():
     assert ratio_verdict([0.80, 0.85, 1.02]) == "0.85 (0.80–1.02)× not resolved"
     assert ratio_verdict([1.00]) == "1.00× not resolved"
     assert ratio_verdict([]) == "—"
+
+
+def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
+    """Timing runs of another commit (or of before sessions were recorded) are moved
+    aside, never reused; runs of the same code are kept for the session to go on."""
+    import json
+
+    import bench.report
+    from bench.peers import timing_session
+
+    monkeypatch.setattr(bench.report, "machine", lambda: "a test CPU")
+    out = str(tmp_path)
+    old = tmp_path / "time" / "100mbit"
+    old.mkdir(parents=True)
+    (old / "EDGC_rep0.summary.json").write_text("{}")   # no session.json: unknown code
+    first = timing_session(out, "aaaa")
+    assert first["code"] == "aaaa" and first["machine"] == "a test CPU"
+    assert (tmp_path / "time-unknown" / "100mbit" / "EDGC_rep0.summary.json").exists()
+    assert sorted(p.name for p in (tmp_path / "time").iterdir()) == ["session.json"]
+    kept = tmp_path / "time" / "1gbit"
+    kept.mkdir()
+    (kept / "EDGC_rep0.summary.json").write_text("{}")
+    assert timing_session(out, "aaaa") == first          # the same code: the session goes on
+    assert (kept / "EDGC_rep0.summary.json").exists()
+    second = timing_session(out, "bbbb")                  # new code: a new session
+    assert second["code"] == "bbbb"
+    assert (tmp_path / "time-aaaa" / "1gbit" / "EDGC_rep0.summary.json").exists()
+    assert json.loads((tmp_path / "time" / "session.json").read_text()) == second
