@@ -204,7 +204,10 @@ class DiLoCoEngine:
             # holds only after H inner steps: one replica's training would be lost
             init_sync=False)
         self.outer = [torch.optim.SGD(f.parameters(), lr=opts.diloco_outer_lr,
-                                      momentum=opts.diloco_outer_momentum, nesterov=True)
+                                      momentum=opts.diloco_outer_momentum,
+                                      # torch's Nesterov needs momentum: momentum 0 with
+                                      # outer lr 1 is plain averaging (LocalSGD's)
+                                      nesterov=opts.diloco_outer_momentum > 0)
                       for f in self.fragments]
         self.dump = opts.diloco_dump
         self.record = {"initial": self._weights(), "syncs": []} if self.dump else None

@@ -111,3 +111,16 @@ def test_bad_diloco_flags_fail_before_any_process_starts(small_model_argv, tmp_p
     proc = warm.run(cmd, timeout=120)
     assert proc.returncode == 2
     assert "--diloco-fragments: must be >= 1 and divide --diloco-sync-every 8" in proc.stderr
+
+
+def test_outer_lr_one_without_momentum_is_plain_averaging(small_model_argv, tmp_path):
+    """The tuning grid's floor (issue 72): outer lr 1, momentum 0 is LocalSGD's plain
+    averaging: after each sync both ranks hold the mean of their local weights (torch's
+    Nesterov SGD refuses momentum 0: the peer steps plain SGD there)."""
+    ranks, _, _ = run_peer(small_model_argv, tmp_path, ["--diloco-outer-lr", "1.0",
+                                                        "--diloco-outer-momentum", "0"])
+    for k in range(2):
+        for n in ranks[0]["initial"]:
+            mean = sum(r["syncs"][k]["local"][n] for r in ranks) / 2
+            assert torch.allclose(ranks[0]["syncs"][k]["after"][n], mean, rtol=1e-5,
+                                  atol=1e-6), (k, n)
