@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/peers.py             # ~110 min on 2 cores (root: netns); finished runs reused
     .venv/bin/python bench/peers.py --report-only
+    .venv/bin/python bench/peers.py --phase tune-diloco --loss-iters 2000   # first: DiLoCo's grid
 
 Same model (``configs/tiny-cpu.yaml`` at TP1·PP1·DP4, so PyTorch DDP runs the same layout),
 same data and seeds. Two precisions, and ratios only within one:
@@ -20,7 +21,9 @@ same data and seeds. Two precisions, and ratios only within one:
   ``local SGD /8`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``, every 8 steps),
   ``DiLoCo H8`` / ``DiLoCo H32`` (torchft's ``DiLoCo`` with its own lighthouse, started
   by the peer: inner AdamW, outer Nesterov lr 0.7 momentum 0.9, a sync every H steps)
-  and ``Streaming DiLoCo H32/4`` (4 fragments, each sync overlapping one inner step),
+  and ``Streaming DiLoCo H32/4`` (4 fragments, each sync overlapping one inner step);
+  ``DiLoCo H8 tuned`` / ``H32 tuned`` after ``--phase tune-diloco`` (``diloco_grid`` on
+  the tuning seed, the lowest final val loss of the global model: ``choose_tuned``),
   ``static r_max`` (this
   product's PowerSGD at a fixed rank), ``EDGC`` (the paper controller with its default
   flags: dense warm-up bounded at 10 % of the run, the residual's dtype ``auto``);
@@ -138,6 +141,8 @@ def modes(iters: int) -> dict:
         "local SGD /8": (DDP, ["--hook", "local-sgd", "--local-sgd-period", "8"]),
         "DiLoCo H8": (DDP, ["--hook", "diloco", "--diloco-sync-every", "8"]),
         "DiLoCo H32": (DDP, ["--hook", "diloco", "--diloco-sync-every", "32"]),
+        # the settings --phase tune-diloco chose on the tuning seed, beside the paper's
+        **{f"DiLoCo H{h} tuned": (DDP, t["flags"]) for h, t in sorted(TUNED.items())},
         "Streaming DiLoCo H32/4": (DDP, ["--hook", "diloco", "--diloco-sync-every", "32",
                                          "--diloco-fragments", "4",
                                          "--diloco-fragment-sync-delay", "1"]),
@@ -183,6 +188,61 @@ def run_losses(out: str, iters: int, only=None, seeds=SEEDS) -> None:
                 continue
             run_pretrain(f"{slug(name)}_seed{seed}", base_flags(iters, seed) + flags,
                          os.path.join(out, "loss"), iters, reuse=True, script=script)
+
+
+#: DiLoCo's tuning (issue 72), on a seed no verdict uses, per H: the outer step (lr,
+#: momentum; the scaling-law study's range, arXiv 2503.09799, and below), the inner lr at 1x
+#: and 0.5x dense's, a dense warm-up arm (the warm-up EDGC gets, its time charged to it),
+#: and plain averaging (outer lr 1, no momentum: LocalSGD's) as the floor.
+TUNE_SEED = 1239
+TUNE_H = (8, 32)
+OUTER_STEPS = [(0.3, 0.9), (0.5, 0.9), (0.7, 0.9), (1.0, 0.5), (1.0, 0.8), (1.0, 0.0)]
+#: Tuned settings (``--phase tune-diloco`` writes them; :func:`modes` races them).
+TUNED: dict = {}
+
+
+def diloco_grid(h: int, iters: int) -> dict:
+    """name -> peer flags of DiLoCo's tuning grid at ``h`` for an ``iters`` run."""
+    import yaml
+
+    with open(os.path.join(ROOT, CONFIG)) as fh:
+        training = yaml.safe_load(fh)["training"]
+    grid = {}
+    for scale in (1.0, 0.5):
+        inner = ["--lr", f"{training['lr'] * scale:g}",
+                 "--min-lr", f"{training['min_lr'] * scale:g}"]
+        arms = [(lr, m, 0) for lr, m in OUTER_STEPS] + [(0.7, 0.9, max(2, iters // 10))]
+        for lr, m, warmup in arms:
+            name = (f"DiLoCo H{h} outer {lr:g}/{m:g} inner x{scale:g}"
+                    + (f" after {warmup} dense" if warmup else ""))
+            grid[name] = ["--hook", "diloco", "--diloco-sync-every", str(h),
+                          "--diloco-outer-lr", str(lr), "--diloco-outer-momentum", str(m),
+                          "--diloco-warmup-iters", str(warmup), *inner]
+    return grid
+
+
+def choose_tuned(final_val: dict) -> str:
+    """The rule: the lowest final validation loss of the global model on the tuning seed
+    (the name sorts first among equals)."""
+    return min(sorted(final_val), key=lambda name: final_val[name])
+
+
+def tune_diloco(out: str, iters: int) -> dict:
+    """Run the grid for each H of :data:`TUNE_H` on :data:`TUNE_SEED` (finished runs
+    reused); ``{H: {"chosen", "flags", "final_val"}}`` into ``out/diloco_tuning.json``."""
+    result = {}
+    for h in TUNE_H:
+        grid, finals = diloco_grid(h, iters), {}
+        for name, flags in grid.items():
+            records, _ = run_pretrain(f"{slug(name)}_seed{TUNE_SEED}",
+                                      base_flags(iters, TUNE_SEED) + flags,
+                                      os.path.join(out, "tune"), iters, reuse=True, script=DDP)
+            finals[name] = final_val(records)
+        chosen = choose_tuned({n: v for n, v in finals.items() if v is not None})
+        result[str(h)] = {"chosen": chosen, "flags": grid[chosen], "final_val": finals}
+    with open(os.path.join(out, "diloco_tuning.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    return result
 
 
 #: What a timing run executes: a commit touching none of it (docs, tests, the report)
@@ -539,7 +599,9 @@ def main() -> int:
     p.add_argument("--time-iters", type=int, default=40)
     p.add_argument("--modes", nargs="+", default=None, choices=list(modes(200)),
                    help="run only these modes (the report still reads every recorded run)")
-    p.add_argument("--phase", choices=("all", "loss", "time"), default="all")
+    p.add_argument("--phase", choices=("all", "loss", "time", "tune-diloco"), default="all",
+                   help="tune-diloco: DiLoCo's grid on the tuning seed, per H; the race "
+                        "then runs the chosen settings")
     p.add_argument("--rates", nargs="+", default=RATES, choices=RATES,
                    help="time on these links only")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timing repetitions")
@@ -555,6 +617,13 @@ def main() -> int:
         p.error(f"--loss-iters: must be >= {2 * EVAL_EVERY} (got {args.loss_iters})")
     if args.time_iters < 10:
         p.error(f"--time-iters: must be >= 10 (got {args.time_iters})")
+    if args.phase == "tune-diloco":
+        tune_diloco(args.out, args.loss_iters)
+        return 0
+    tuning = os.path.join(args.out, "diloco_tuning.json")
+    if os.path.exists(tuning):   # the race runs the tuned DiLoCo beside the paper's
+        with open(tuning) as fh:
+            TUNED.update(json.load(fh))
     if not args.report_only:
         if args.phase in ("all", "loss"):
             run_losses(args.out, args.loss_iters, args.modes, args.seeds)

@@ -45,3 +45,26 @@ def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
     assert second["code"] == "bbbb"
     assert (tmp_path / "time-aaaa" / "1gbit" / "EDGC_rep0.summary.json").exists()
     assert json.loads((tmp_path / "time" / "session.json").read_text()) == second
+
+
+def test_the_diloco_tuning_grid_and_its_rule():
+    """Per H: 6 outer steps (the floor, lr 1 without momentum, among them) and a dense
+    warm-up arm, each at 1x and 0.5x the inner lr; the lowest final val loss is chosen; the
+    race runs the chosen setting beside the paper's."""
+    import bench.peers as peers
+
+    grid = peers.diloco_grid(8, 2000)
+    assert len(grid) == 14 and all(f[f.index("--diloco-sync-every") + 1] == "8"
+                                   for f in grid.values())
+    floor = grid["DiLoCo H8 outer 1/0 inner x0.5"]
+    assert floor[floor.index("--lr") + 1] == "0.0005"            # tiny-cpu's 1e-3, halved
+    warm = grid["DiLoCo H8 outer 0.7/0.9 inner x1 after 200 dense"]
+    assert warm[warm.index("--diloco-warmup-iters") + 1] == "200"  # EDGC's bound: 10 %
+    assert peers.choose_tuned({"b": 4.9, "a": 4.9, "c": 5.1}) == "a"
+    assert "DiLoCo H8 tuned" not in peers.modes(2000)
+    peers.TUNED["8"] = {"flags": floor}
+    try:
+        assert peers.modes(2000)["DiLoCo H8 tuned"] == (peers.DDP, floor)
+        assert "DiLoCo H8" in peers.modes(2000)
+    finally:
+        peers.TUNED.clear()
