@@ -449,10 +449,13 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                         (loss / nmb).backward()
                 losses.append(loss.detach())
             dense_warmup = kind == "diloco" and it < opts.diloco_warmup_iters
-            if dense_warmup:   # DiLoCo's dense warm-up: every gradient averaged, as DDP's
-                for p in model.parameters():
-                    dist.all_reduce(p.grad, group=dp_group)
-                    p.grad.div_(dp_size)
+            if dense_warmup:   # DiLoCo's dense warm-up: the gradients averaged in one
+                grads = [p.grad for p in model.parameters()]   # all-reduce (DDP's buckets'
+                flat = torch.cat([g.view(-1) for g in grads])  # bytes, none of its overlap)
+                dist.all_reduce(flat, group=dp_group)
+                flat.div_(dp_size)
+                for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(reduced)
             if on_gpu:
                 torch.cuda.synchronize()
             ready = time.perf_counter()

@@ -23,6 +23,7 @@ import pytest
 
 import warm
 from distributed import compressed_bucket_bytes
+from rounding import relative_difference
 from megatron_lm_job import (ARGS, EDGC, EDGC_DP, ENABLE_LINE, MAIN, PROVIDER, TORCH_DIST,
                             add_two_lines, lm_losses, read_records, torchrun_command,
                             unpack)
@@ -795,12 +796,8 @@ def test_a_save_before_the_optimizer_step_keeps_the_step_as_a_skip(megatron_lm, 
     for rank, residuals in want.items():
         assert sorted(got[rank]) == sorted(residuals) and len(residuals) >= 5, rank
         for name, e in residuals.items():
-            assert e.abs().sum() > 0 and torch_close(got[rank][name], e), (rank, name)
-
-
-def torch_close(a, b) -> bool:
-    """``a`` equals ``b`` to fp32 rounding (relative L2 1e-6)."""
-    return float((a.float() - b.float()).norm()) <= 1e-6 * float(b.float().norm())
+            assert e.abs().sum() > 0, (rank, name)
+            assert relative_difference(got[rank][name], e) < 1e-6, (rank, name)
 
 
 #: fp16 with Megatron-LM's dynamic loss scaler: a scale an 8-iteration job can grow from

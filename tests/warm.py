@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,8 +45,7 @@ PRELOAD_MEGATRON_LM = ["megatron.training", "megatron.training.arguments",
                        "megatron.training.training", "megatron.training.initialize",
                        "megatron.training.checkpointing", "megatron.core.models.gpt.gpt_layer_specs"]
 #: torchrun flags of the tests' commands that take a value / take none.
-_TORCHRUN_VALUE = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--master-addr",
-                   "--master_addr", "--master-port", "--master_port"}
+_TORCHRUN_VALUE = {"--nproc-per-node", "--nnodes", "--master-addr", "--master-port"}
 _TORCHRUN_FLAG = {"--standalone"}
 
 
@@ -89,12 +87,13 @@ def _request(cmd, env: dict, cwd) -> dict | None:
     if args[:2] == ["-m", "torch.distributed.run"]:
         args = args[2:]
         while args and args[0].startswith("--"):
-            if args[0] in _TORCHRUN_FLAG:
+            flag = args[0].replace("_", "-")
+            if flag in _TORCHRUN_FLAG:
                 args = args[1:]
-            elif args[0] in _TORCHRUN_VALUE:
-                if args[0].replace("_", "-") == "--nproc-per-node":
+            elif flag in _TORCHRUN_VALUE:
+                if flag == "--nproc-per-node":
                     nproc = int(args[1])
-                elif args[0].replace("_", "-") == "--master-port":
+                elif flag == "--master-port":
                     port = int(args[1])
                 args = args[2:]
             else:
@@ -147,10 +146,15 @@ class _Server:
             if not result[0]:
                 raise RuntimeError("the warm test server died")
             reply = json.loads(result[0])
-            out, err = (open(request[k], errors="replace").read() for k in ("stdout", "stderr"))
+            out, err = (_read(request[k]) for k in ("stdout", "stderr"))
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, out, err)
         return subprocess.CompletedProcess(cmd, reply["rc"], out, err)
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read()
 
 
 # ------------------------------------------------------------------ server
@@ -291,10 +295,8 @@ def serve() -> None:
                 os._exit(1)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
-        started = time.monotonic()
         _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status),
-                                  "s": time.monotonic() - started}) + "\n")
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         replies.flush()
 
 
