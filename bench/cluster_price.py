@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The race's modes priced on a GPT-2 medium H100 cluster: time to the race's target, modeled.
+"""The race's modes priced on a GPT-2 medium GPU cluster: time to the race's target, modeled.
 
     .venv/bin/python bench/cluster_price.py [--peers bench/results/peers]
     .venv/bin/python bench/cluster_price.py --peers bench/results/peers-2000 --loss-iters 2000
@@ -13,26 +13,23 @@ iterations to ``peers.target_loss`` per mode and seed (linear between evaluation
 ``scripts/plot_run.py:time_to_loss``) and EDGC's rank per iteration (``rank_dp``; None: dense).
 The tiny model's ranks (r_max 32) are applied to GPT-2 medium's shapes as they are.
 
-**Measured on one H100** (:data:`H100`; ``/work/shared/gpu-runs/2026-11-27-h100/`` and its
-README.md: 24 layers, hidden 1024, ffn 4096, vocab 50304, seq 1024, micro-batch 8, ``--bf16``,
-DP 1 with the compression's math on): compute = median ``iter_ms``, iterations 11-40, of
-``medium-off.jsonl``; the compressed step's math = median ``dp_compress_ms`` over compressed
-iterations (``dp_bytes_sent < dp_bytes_dense``) of ``medium-static-r64.jsonl`` (fp32 gradient
-buffers, bf16 factors), ``medium-edgc-r128.jsonl`` at rank 128 (fp32 buffers; README's 13.5 ms
-is not this per-iteration figure) and ``medium-static-r64-bf16grads.jsonl``; EDGC's sampler =
-median ``entropy_ms`` of ``medium-edgc-r128.jsonl`` at each window's first iteration (the host
-draws and sorts the window's sample indices) and at its other sampled ones, amortized over the
-race config's window. Other ranks: ``bench/model.py:kernel_s`` on these points (linear between
-ranks 64 and 128, the nearest end outside: ranks 8-32 at rank 64's math, an upper bound);
-``bench/results/gpu_kernels_h100.json`` and ``bench/results/gpu/`` hold no GPT-2 medium shard.
-The shapes give the measured bytes: 4 x 354,871,296 dense, 58,449,920 at r64 (58,449,924
-measured). There the step fell back to dense after failed factorizations: not priced here.
+**Measured on one H200** (:func:`h200_step`, issue 72: the run of 2026-11-28 after the fp64
+orthonormalization, 0 factorizations stood in; ``bench/results/gpu/h200-2026-11-28/``
+``medium.json`` and ``medium-rerun.json``, scripts/gpu_check.py's GPT-2 medium checks: 24
+layers, hidden 1024, ffn 4096, vocab 50304, seq 1024, micro-batch 8, ``--bf16``, DP 1 with the
+compression's math on, 100 iterations): compute = the ``off`` checks' median ms/iter from
+iteration 11, per gradient-buffer dtype (fp32 buffers 169.6 ms, bf16 buffers 175.8 ms); the
+compressed step's math = the ``static`` checks' median ``compress_ms`` at r64 (fp32 buffers
+15.7 ms, bf16 buffers 22.6 ms): ranks 8-32 are priced at r64's math (an upper bound; the EDGC
+checks ran other ranks and moved); EDGC's sampler (GDS) = the EDGC checks' largest measured
+cost of a sampled iteration (62.8 ms fp32 buffers, 77.3 ms bf16; host clock around the
+sampler, the window's index draw included), charged once per window (``sampler_ms``); the
+sensitivity rows charge it on every sampled iteration, and the math at x0.5 and x2.
 
 **Modeled**: an iteration = compute + math + DP communication, no overlap (in the JSON too:
-``s_overlap``, max(compute, comm) + math, an ideal; ``s_host_draw``, EDGC's window draw at
-the host's 3.3 s measured before issue 57 moved it to the GPU; the table prices it as a
-sample, not yet timed on a GPU); the same compute for every mode (fp32-trained
-modes as ``--bf16`` with fp32 gradient buffers, Megatron's default). Communication:
+``s_overlap``, max(compute, comm) + math, an ideal; and the :data:`SENSITIVITY` variants);
+the compute of the mode's gradient buffers (fp32-trained modes as ``--bf16`` with fp32
+gradient buffers, Megatron's default). Communication:
 ``bench/model.py:allreduce_s`` (ring, alpha of its H100 cluster), pure DP over 8 and 64 GPUs
 at 10, 25, 100 Gbit/s per GPU; an all-gather of b bytes per rank = half the all-reduce of n·b.
 Bytes (``sync_bytes`` on ``shard_matrices`` + position embedding and final norm): dense, one
@@ -69,12 +66,47 @@ GPUS, LINKS = (8, 64), (10.0, 25.0, 100.0)
 ALPHA_US = CLUSTERS["gpt2-12.1b-h100x64"].alpha_us
 LAYERS, HIDDEN, FFN, VOCAB, SEQ = 24, 1024, 4096, 50304, 1024
 CHANNEL, HOOK_START = 512, 2   # quantization_perchannel_hook's channel; --hook-start-iter
-#: Measured, H100, 2026-11-27 (the docstring says how each figure was taken).
-H100 = {"compute_ms": 210.80, "entropy_window_ms": 3278.9, "entropy_sample_ms": 1.434,
-        "math_ms": [(64, "fp32", 15.957), (128, "fp32", 23.143), (64, "bf16", 26.783)]}
+#: The H200 run the step is priced on (:func:`h200_step`).
+H200_RUNS = os.path.join(ROOT, "bench", "results", "gpu", "h200-2026-11-28")
+
+
+def h200_step(folder: str = H200_RUNS) -> dict:
+    """The GPT-2 medium step measured on one H200 (scripts/gpu_check.py's checks that
+    passed in ``folder``'s ``medium*.json``): ``compute_ms`` and ``gds_ms`` per gradient
+    buffer dtype, ``math_ms`` as ``[(rank, buffers, ms)]`` from the static checks (one rank
+    throughout; EDGC's checks moved between ranks), ``date`` and ``device``."""
+    step = {"compute_ms": {}, "gds_ms": {}, "math_ms": []}
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("medium") and name.endswith(".json")):
+            continue
+        with open(os.path.join(folder, name)) as fh:
+            run = json.load(fh)
+        step["device"] = run["environment"]["device"]
+        step["date"] = run["environment"]["date"].split()[0]
+        for check in run["checks"]:
+            kind, buffers = check["check"], check.get("grad_buffers")
+            if not check.get("ok") or not kind.startswith("e2e-gpt2-medium-"):
+                continue
+            mode = kind[len("e2e-gpt2-medium-"):].removesuffix("-bf16grads")
+            if mode == "off":
+                step["compute_ms"][buffers] = check["ms_per_iter_median"]
+            elif mode == "static" and check.get("compress_ms_median"):
+                step["math_ms"].append((check["rank_last"][0], buffers,
+                                        check["compress_ms_median"]))
+            elif mode == "edgc" and check.get("entropy_ms_max"):
+                step["gds_ms"][buffers] = check["entropy_ms_max"]
+    return step
+
+
+STEP = h200_step()
 KERNELS = {"configs": {"gpt2-medium": {"runs": [
     {"rank": r, "factor_dtype": "bf16", "grad_dtype": g, "total": ms}
-    for r, g, ms in H100["math_ms"]]}}}
+    for r, g, ms in STEP["math_ms"]]}}}
+#: The sensitivity variants beside the seed spread (issue 72): the step's math at x0.5 and
+#: x2, and GDS's largest measured cost charged on every sampled iteration (the table: once
+#: per window). name -> (math scale, GDS on every sample).
+SENSITIVITY = {"s_math_half": (0.5, False), "s_math_double": (2.0, False),
+               "s_gds_every_sample": (1.0, True)}
 MODES = peers.modes(200)   # the race's flags (main() sets those of the curves' length)
 #: this product's dense wire where a mode does not name one (issue 64: bf16)
 DENSE_WIRE = EdgcConfig().dense_wire
@@ -146,29 +178,34 @@ def comm_s(mode: str, rank, iteration: int, n: int, gbit: float, shapes,
                for kind, b in mode_bytes(mode, rank, shapes))
 
 
-def sampler_ms(window: int, iter_sample_rate: float, draw: bool = True) -> float:
-    """EDGC's entropy sampler per iteration, amortized over a window (``draw`` False: the
-    window's host index draw costs no more than a sample)."""
-    samples = -(-window // max(1, round(1 / iter_sample_rate)))
-    first = H100["entropy_window_ms"] if draw else H100["entropy_sample_ms"]
-    return (first + (samples - 1) * H100["entropy_sample_ms"]) / window
+def buffers(mode: str) -> str:
+    return "bf16" if bf16_trained(mode) else "fp32"
 
 
-def math_ms(mode: str, rank) -> float:
-    """The compressed step's math (0 for a dense iteration)."""
+def sampler_ms(window: int, iter_sample_rate: float, grads: str = "fp32",
+               every_sample: bool = False) -> float:
+    """EDGC's entropy sampler per iteration, amortized over a window: the H200's largest
+    measured sampled iteration once per window (``every_sample``: on each of the window's
+    sampled iterations)."""
+    samples = -(-window // max(1, round(1 / iter_sample_rate))) if every_sample else 1
+    return samples * STEP["gds_ms"][grads] / window
+
+
+def math_ms(mode: str, rank, scale: float = 1.0) -> float:
+    """The compressed step's math (0 for a dense iteration), times ``scale``."""
     if rank is None or not compresses(mode):
         return 0.0
-    return 1e3 * kernel_s(KERNELS, "gpt2-medium", rank, "bf16",
-                          "bf16" if bf16_trained(mode) else "fp32")
+    return scale * 1e3 * kernel_s(KERNELS, "gpt2-medium", rank, "bf16", buffers(mode))
 
 
 @functools.lru_cache(maxsize=None)
 def iteration_ms(mode: str, rank, iteration: int, n: int, gbit: float, overlap: bool = False,
-                 sampler: float = 0.0) -> float:
+                 sampler: float = 0.0, math_scale: float = 1.0) -> float:
     """compute + math (+ EDGC's ``sampler``) + communication; ``overlap``: max(compute, comm)."""
     comm = 1e3 * comm_s(mode, rank, iteration, n, gbit, medium_shapes())
-    compute = H100["compute_ms"]
-    return (max(compute, comm) if overlap else compute + comm) + math_ms(mode, rank) + sampler
+    compute = STEP["compute_ms"][buffers(mode)]
+    return (max(compute, comm) if overlap else compute + comm) + \
+        math_ms(mode, rank, math_scale) + sampler
 
 
 def rank_of(record):
@@ -176,11 +213,12 @@ def rank_of(record):
     return max(ranks) if ranks else None
 
 
-def price_run(mode, records, target, n, gbit, overlap=False, sampler=0.0) -> dict:
+def price_run(mode, records, target, n, gbit, overlap=False, sampler=0.0,
+              math_scale=1.0) -> dict:
     """One loss run priced: mean ms/iter over the run, seconds and iterations to target."""
     sampler = sampler if flag(mode, "--edgc-mode") == "edgc" else 0.0
     ms = [iteration_ms(mode, rank_of(r), min(r["iteration"], HOOK_START + 1), n, gbit, overlap,
-                       sampler) for r in records]
+                       sampler, math_scale) for r in records]
     priced = [dict(r, iter_ms=m) for r, m in zip(records, ms)]
     return {"ms": float(numpy.mean(ms)), "s": peers.time_to_loss(priced, target),
             "iters": peers.time_to_loss([dict(r, iter_ms=1e3) for r in records], target)}
@@ -191,9 +229,9 @@ def price(data: dict, window: int, rate: float) -> dict:
     ratios per seed against the fastest peer (median) of the same training precision."""
     target = peers.target_loss(data)
     out = {"target": target, "rows": [], "unpriced": {}}
-    # since issue 57 the window's indices are drawn on the GPU (control/entropy.py): priced
-    # at a sample's cost (not yet timed there); the host draw the H100 measured, a variant
-    variants = {"s": (False, False), "s_overlap": (True, False), "s_host_draw": (False, True)}
+    # name -> (overlap, math scale, GDS on every sample)
+    variants = {"s": (False, 1.0, False), "s_overlap": (True, 1.0, False),
+                **{k: (False, m, e) for k, (m, e) in SENSITIVITY.items()}}
     for mode in MODES:
         seeds = data["loss"].get(mode)
         if not seeds or target is None:
@@ -202,8 +240,10 @@ def price(data: dict, window: int, rate: float) -> dict:
         ours = mode in peers.OURS or mode.startswith(("static", "EDGC"))
         for n in GPUS:
             for gbit in LINKS:
-                runs = {v: [price_run(mode, recs, target, n, gbit, ov, sampler_ms(window, rate, d))
-                            for recs in seeds.values()] for v, (ov, d) in variants.items()}
+                runs = {v: [price_run(mode, recs, target, n, gbit, ov,
+                                      sampler_ms(window, rate, buffers(mode), every), scale)
+                            for recs in seeds.values()]
+                        for v, (ov, scale, every) in variants.items()}
                 out["rows"].append({
                     "mode": mode, "gpus": n, "gbit": gbit, "ours": ours,
                     "precision": "bf16" if bf16_trained(mode) else "fp32", "seeds": list(seeds),
@@ -218,6 +258,8 @@ def price(data: dict, window: int, rate: float) -> dict:
             best = min(peer, key=lambda r: numpy.median(r["s"]))
             row["best_peer"] = best["mode"]
             row["vs_best_peer"] = [a and a / b for a, b in zip(row["s"], best["s"])]
+            row["sensitivity"] = {v: [a and a / b for a, b in zip(row[v], best[v])]
+                                  for v in SENSITIVITY}
     return out
 
 
@@ -248,6 +290,29 @@ def table(result: dict, n: int) -> str:
     return "\n".join(lines)
 
 
+SENSITIVITY_NAMES = {"s": "as measured", "s_math_half": "math x0.5",
+                     "s_math_double": "math x2", "s_gds_every_sample": "GDS on every sample"}
+
+
+def sensitivity_table(result: dict, n: int) -> str:
+    """This product's modes against the best peer of their precision, as measured and in
+    each :data:`SENSITIVITY` variant (the peer priced in the same variant)."""
+    lines = ["| mode | variant | " + " | ".join(f"{g:g} Gbit/s vs best peer" for g in LINKS)
+             + " |", "|" + "---|" * (2 + len(LINKS))]
+    for mode in MODES:
+        rows = {r["gbit"]: r for r in result["rows"] if r["mode"] == mode and r["gpus"] == n
+                and r["ours"] and r.get("vs_best_peer")}
+        if len(rows) < len(LINKS):
+            continue
+        for v, label in SENSITIVITY_NAMES.items():
+            cells = []
+            for g in LINKS:
+                ratios = rows[g]["vs_best_peer"] if v == "s" else rows[g]["sensitivity"][v]
+                cells.append("—" if None in ratios else peers.ratio_verdict(ratios))
+            lines.append(f"| {mode} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> None:
     """Time to target against the link, one line per mode (timing-only twins left out)."""
     import matplotlib
@@ -263,7 +328,7 @@ def plot(result: dict, path: str) -> None:
                 ax.plot([r["gbit"] for r in rows], [numpy.median(r["s"]) for r in rows],
                         "-o" if rows[0]["ours"] else "--s", label=mode, ms=4)
         ax.set(xscale="log", yscale="log", xlabel="link per GPU, Gbit/s",
-               title=f"GPT-2 medium, {n} H100 (modeled)")
+               title=f"GPT-2 medium, {n} {STEP['device'].split()[-1]} (modeled)")
         ax.set_xticks(LINKS, [f"{g:g}" for g in LINKS])
     axes[0].set_ylabel("time to target, s (median over seeds)")
     axes[-1].legend(fontsize=7, loc="upper right")
@@ -292,25 +357,32 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.loss_iters == 200 else f"_{args.loss_iters}"
     png = os.path.join(args.out, f"time_to_target{suffix}.png")
-    result.update(h100=H100, alpha_us=ALPHA_US, peers_dir=os.path.relpath(args.peers, ROOT),
-                  sampler_ms=sampler_ms(window, rate, draw=False))
+    result.update(step=STEP, alpha_us=ALPHA_US, peers_dir=os.path.relpath(args.peers, ROOT),
+                  sampler_ms={g: sampler_ms(window, rate, g) for g in STEP["gds_ms"]})
     with open(os.path.join(args.out, f"cluster_price{suffix}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     plot(result, png)
     png = os.path.relpath(png, ROOT)
+    compute = ", ".join(f"{ms:.1f} ms ({g} buffers)" for g, ms in sorted(STEP["compute_ms"].items()))
+    maths = ", ".join(f"r{r} {ms:.1f} ms ({g} buffers)" for r, g, ms in STEP["math_ms"])
+    gds = ", ".join(f"{ms:.1f} ms ({g} buffers)" for g, ms in sorted(STEP["gds_ms"].items()))
     body = (f"**Modeled** (inputs and assumptions: bench/cluster_price.py's docstring). "
             f"Loss curves of {args.loss_iters} iterations; iterations to the race's target "
             f"({result['target']:.4f}; `{result['peers_dir']}`;"
             f" median (min–max) over seeds) measured on the CPU race's tiny GPT-2; each "
-            f"iteration priced as GPT-2 medium on H100s: compute {H100['compute_ms']:.1f} ms "
-            f"and the compressed step's math measured on one H100 (2026-11-27), EDGC's entropy "
-            f"sampler {result['sampler_ms']:.1f} ms/iter (a sample measured, amortized over "
-            f"the race's window of {window}; the window's index draw priced as a sample since "
-            f"it moved to the GPU, not yet timed there), pure DP ring all-reduce (alpha {ALPHA_US:g} us), "
-            f"no overlap of communication with compute. Ratios: per seed, against the fastest "
-            f"peer trained in the same precision. Plot: [{png}]({png}); the overlap-ideal and "
-            f"host-draw (before issue 57) variants are in the JSON.\n\n"
+            f"iteration priced as GPT-2 medium on {STEP['device']}s, the step measured on one "
+            f"({STEP['date']}, `{os.path.relpath(H200_RUNS, ROOT)}`): compute {compute}; the "
+            f"compressed step's math {maths} (lower ranks at r64's); EDGC's entropy sampler "
+            f"(GDS) at its largest measured sampled iteration, {gds}, once per window of "
+            f"{window}; pure DP ring all-reduce (alpha {ALPHA_US:g} us), no overlap of "
+            f"communication with compute. Ratios: per seed, against the fastest peer trained "
+            f"in the same precision; faster or slower only where every seed's ratio is on one "
+            f"side of 1. Plot: [{png}]({png}); the overlap ideal is in the JSON.\n\n"
             + "\n\n".join(f"**{n} GPUs**\n\n{table(result, n)}" for n in GPUS)
+            + "\n\n**Sensitivity** (the seed spread beside the model's: the step's math "
+              "halved and doubled, GDS's largest sampled iteration charged on every sampled "
+              "iteration instead of once per window; the peers priced in the same variant)\n\n"
+            + "\n\n".join(f"*{n} GPUs*\n\n{sensitivity_table(result, n)}" for n in GPUS)
             + "\n\n<!-- notes -->")
     title = "Price on a GPU cluster: GPT-2 medium, time to target (modeled)"
     command = ".venv/bin/python bench/cluster_price.py"

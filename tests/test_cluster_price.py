@@ -65,17 +65,32 @@ def test_uint8_is_two_allgathers():
     assert expect > cp.comm_s("dense fp32", None, 10, 64, 10.0, SHAPES)
 
 
+def test_the_h200_step_is_read_from_its_checks():
+    """The step priced is the H200's of 2026-11-28 (issue 72): the off checks' compute per
+    gradient-buffer dtype, the static checks' math at r64, the EDGC checks' largest GDS."""
+    step = cp.h200_step()
+    assert step["device"] == "NVIDIA H200" and step["date"] == "2026-11-28"
+    assert step["compute_ms"] == pytest.approx({"fp32": 169.5629, "bf16": 175.7946}, abs=1e-3)
+    assert sorted(step["math_ms"]) == [(64, "bf16", pytest.approx(22.6306, abs=1e-3)),
+                                       (64, "fp32", pytest.approx(15.7464, abs=1e-3))]
+    assert step["gds_ms"] == pytest.approx({"fp32": 62.846, "bf16": 77.252}, abs=1e-2)
+
+
 def test_math_by_rank_and_iteration_total():
-    assert cp.math_ms("static r_max", 64) == pytest.approx(15.957)
-    assert cp.math_ms("static r_max", 32) == pytest.approx(15.957)       # held below 64
-    assert cp.math_ms("EDGC", 96) == pytest.approx((15.957 + 23.143) / 2)
-    assert cp.math_ms("static r_max bf16", 32) == pytest.approx(26.783)
+    fp32, bf16 = (dict((g, ms) for _, g, ms in cp.STEP["math_ms"])[g] for g in ("fp32", "bf16"))
+    assert cp.math_ms("static r_max", 64) == pytest.approx(fp32)
+    assert cp.math_ms("static r_max", 32) == pytest.approx(fp32)       # held below 64
+    assert cp.math_ms("static r_max", 32, scale=2.0) == pytest.approx(2 * fp32)
+    assert cp.math_ms("static r_max bf16", 32) == pytest.approx(bf16)
     assert cp.math_ms("EDGC", None) == 0.0 and cp.math_ms("bf16 wire", 32) == 0.0
     total = cp.iteration_ms("static r_max", 32, 10, 8, 100.0)
     comm = 1e3 * cp.comm_s("static r_max", 32, 10, 8, 100.0, SHAPES)
-    assert total == pytest.approx(210.8 + 15.957 + comm)
+    assert total == pytest.approx(169.5629 + fp32 + comm, abs=1e-3)
     assert cp.iteration_ms("static r_max", 32, 10, 8, 100.0, overlap=True) == \
-        pytest.approx(210.8 + 15.957)                       # comm hidden under compute
+        pytest.approx(169.5629 + fp32, abs=1e-3)              # comm hidden under compute
+    # bf16 buffers: their own compute
+    assert cp.iteration_ms("dense bf16", None, 10, 8, 100.0, overlap=True) == \
+        pytest.approx(175.7946, abs=1e-3)
 
 
 def test_priced_run_warm_up_dense_then_compressed():
@@ -85,10 +100,37 @@ def test_priced_run_warm_up_dense_then_compressed():
             {"iteration": 2, "rank_dp": [None], "val_loss": 6.0},
             {"iteration": 3, "rank_dp": [32]}, {"iteration": 4, "rank_dp": [32], "val_loss": 5.0}]
     sampler = cp.sampler_ms(20, 0.25)
-    assert sampler == pytest.approx((3278.9 + 4 * 1.434) / 20)
+    assert sampler == pytest.approx(cp.STEP["gds_ms"]["fp32"] / 20)   # once per window
+    assert cp.sampler_ms(20, 0.25, "bf16", every_sample=True) == \
+        pytest.approx(5 * cp.STEP["gds_ms"]["bf16"] / 20)           # 5 sampled iterations
     got = cp.price_run("EDGC", recs, 5.5, 64, 10.0, sampler=sampler)
     dense = cp.iteration_ms("EDGC", None, 1, 64, 10.0) + sampler
     comp = cp.iteration_ms("EDGC", 32, 3, 64, 10.0) + sampler
     assert got["iters"] == pytest.approx(3.0)
     assert got["s"] == pytest.approx((2 * dense + comp) / 1e3)
     assert got["ms"] == pytest.approx((dense + comp) / 2)
+
+
+def test_sensitivity_reprices_ours_and_the_peer_alike():
+    """price(): each sensitivity variant prices the peer the same way; doubling the math
+    raises static PowerSGD's ratio to a dense peer (whose iterations have no math) by the
+    math added, halving lowers it; the table says which variant a row is."""
+    curve = [{"iteration": i, "rank_dp": [32], **({"val_loss": 6.0 - i / 10} if i % 2 == 0
+                                                  else {})} for i in range(1, 11)]
+    data = {"loss": {"dense fp32": {1: [dict(r, rank_dp=[None]) for r in curve]},
+                     "static r_max": {1: curve}}}
+    out = cp.price(data, 20, 0.25)
+    row = next(r for r in out["rows"] if r["mode"] == "static r_max" and r["gpus"] == 8
+               and r["gbit"] == 10.0)
+    math = cp.math_ms("static r_max", 32)
+    comm_c = 1e3 * cp.comm_s("static r_max", 32, 3, 8, 10.0, SHAPES)
+    comm_d = 1e3 * cp.comm_s("dense fp32", None, 3, 8, 10.0, SHAPES)
+    compute = cp.STEP["compute_ms"]["fp32"]
+    for variant, scale in (("s_math_half", 0.5), ("s_math_double", 2.0)):
+        [ratio] = row["sensitivity"][variant]
+        assert ratio == pytest.approx((compute + scale * math + comm_c) / (compute + comm_d),
+                                      rel=1e-6)
+    assert row["sensitivity"]["s_math_half"][0] < row["vs_best_peer"][0] < \
+        row["sensitivity"]["s_math_double"][0]
+    text = cp.sensitivity_table(out, 8)
+    assert "| static r_max | math x2 |" in text and "GDS on every sample" in text
