@@ -201,6 +201,18 @@ OUTER_STEPS = [(0.3, 0.9), (0.5, 0.9), (0.7, 0.9), (1.0, 0.5), (1.0, 0.8), (1.0,
 TUNED: dict = {}
 
 
+def edgc_dense_iters(iters: int) -> int:
+    """The dense warm-up EDGC gets in an ``iters`` run at the race's config: its bound, the
+    first window end from ``warmup_max_fraction`` of the run (what the loss runs record
+    as ``dense_end_iter``)."""
+    import yaml
+
+    with open(os.path.join(ROOT, CONFIG)) as fh:
+        edgc = yaml.safe_load(fh)["edgc"]
+    window = edgc["window"]
+    return max(window, -(-int(edgc["warmup_max_fraction"] * iters) // window) * window)
+
+
 def diloco_grid(h: int, iters: int) -> dict:
     """name -> peer flags of DiLoCo's tuning grid at ``h`` for an ``iters`` run."""
     import yaml
@@ -211,14 +223,18 @@ def diloco_grid(h: int, iters: int) -> dict:
     for scale in (1.0, 0.5):
         inner = ["--lr", f"{training['lr'] * scale:g}",
                  "--min-lr", f"{training['min_lr'] * scale:g}"]
-        arms = [(lr, m, 0) for lr, m in OUTER_STEPS] + [(0.7, 0.9, max(2, iters // 10))]
+        arms = [(lr, m, 0) for lr, m in OUTER_STEPS] + [(0.7, 0.9, edgc_dense_iters(iters))]
         for lr, m, warmup in arms:
-            name = (f"DiLoCo H{h} outer {lr:g}/{m:g} inner x{scale:g}"
-                    + (f" after {warmup} dense" if warmup else ""))
-            grid[name] = ["--hook", "diloco", "--diloco-sync-every", str(h),
-                          "--diloco-outer-lr", str(lr), "--diloco-outer-momentum", str(m),
-                          "--diloco-warmup-iters", str(warmup), *inner]
+            grid[arm_name(h, lr, m, scale, warmup)] = [
+                "--hook", "diloco", "--diloco-sync-every", str(h),
+                "--diloco-outer-lr", str(lr), "--diloco-outer-momentum", str(m),
+                "--diloco-warmup-iters", str(warmup), *inner]
     return grid
+
+
+def arm_name(h: int, lr: float, momentum: float, scale: float, warmup: int) -> str:
+    return (f"DiLoCo H{h} outer {lr:g}/{momentum:g} inner x{scale:g}"
+            + (f" after {warmup} dense" if warmup else ""))
 
 
 def choose_tuned(final_val: dict) -> str:
@@ -227,22 +243,46 @@ def choose_tuned(final_val: dict) -> str:
     return min(sorted(final_val), key=lambda name: final_val[name])
 
 
+def tuning_stages(grid: dict) -> tuple[list, callable]:
+    """The search, staged for 2 cores: every outer step (and the warm-up arm) at the inner
+    lr 1x, then the best of those at 0.5x; returns (the first stage's names, best -> its
+    0.5x twin)."""
+    first = [n for n in grid if " inner x1" in n]
+    return first, lambda best: best.replace(" inner x1", " inner x0.5")
+
+
 def tune_diloco(out: str, iters: int) -> dict:
-    """Run the grid for each H of :data:`TUNE_H` on :data:`TUNE_SEED` (finished runs
-    reused); ``{H: {"chosen", "flags", "final_val"}}`` into ``out/diloco_tuning.json``."""
+    """Run the staged grid (:func:`tuning_stages`) for each H of :data:`TUNE_H` on
+    :data:`TUNE_SEED` (finished runs reused); ``{H: {"chosen", "flags", "final_val"}}``
+    into ``out/diloco_tuning.json`` (the arms not run: None)."""
     result = {}
     for h in TUNE_H:
         grid, finals = diloco_grid(h, iters), {}
-        for name, flags in grid.items():
+
+        def run(name):
             records, _ = run_pretrain(f"{slug(name)}_seed{TUNE_SEED}",
-                                      base_flags(iters, TUNE_SEED) + flags,
+                                      base_flags(iters, TUNE_SEED) + grid[name],
                                       os.path.join(out, "tune"), iters, reuse=True, script=DDP)
             finals[name] = final_val(records)
+        first, halved = tuning_stages(grid)
+        for name in first:
+            run(name)
+        run(halved(choose_tuned({n: v for n, v in finals.items() if v is not None})))
         chosen = choose_tuned({n: v for n, v in finals.items() if v is not None})
-        result[str(h)] = {"chosen": chosen, "flags": grid[chosen], "final_val": finals}
+        result[str(h)] = {"chosen": chosen, "flags": grid[chosen],
+                          "final_val": {n: finals.get(n) for n in grid}}
     with open(os.path.join(out, "diloco_tuning.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     return result
+
+
+def timed_as(mode: str, flags: list) -> str:
+    """The timed mode whose per-iteration cost ``mode`` has: a tuned DiLoCo without a dense
+    warm-up runs the code path and bytes of the paper-setting DiLoCo at its H (learning
+    rates and momentum change no per-iteration cost); any other mode, itself."""
+    if mode.endswith(" tuned") and flags[flags.index("--diloco-warmup-iters") + 1] == "0":
+        return mode.removesuffix(" tuned")
+    return mode
 
 
 #: What a timing run executes: a commit touching none of it (docs, tests, the report)
@@ -384,6 +424,11 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
     for mode, base in LOSS_OF.items():
         if base in loss:
             loss[mode] = loss[base]
+    for rate_timing in timing.values():
+        for mode, (_, flags) in modes(loss_iters).items():
+            twin = timed_as(mode, flags)
+            if mode not in rate_timing and twin in rate_timing:
+                rate_timing[mode] = rate_timing[twin]
     session = os.path.join(time_dir or out, "time", "session.json")
     with contextlib.suppress(OSError):
         with open(session) as fh:

@@ -2,6 +2,7 @@
 (seeds × repetitions), "faster" or "slower" only where every ratio is on one side of 1,
 "not resolved" otherwise."""
 
+import json
 import os
 import sys
 
@@ -58,13 +59,45 @@ def test_the_diloco_tuning_grid_and_its_rule():
                                    for f in grid.values())
     floor = grid["DiLoCo H8 outer 1/0 inner x0.5"]
     assert floor[floor.index("--lr") + 1] == "0.0005"            # tiny-cpu's 1e-3, halved
-    warm = grid["DiLoCo H8 outer 0.7/0.9 inner x1 after 200 dense"]
-    assert warm[warm.index("--diloco-warmup-iters") + 1] == "200"  # EDGC's bound: 10 %
+    # the dense warm-up EDGC gets: the first window (20) end from 2 % of 2000
+    assert peers.edgc_dense_iters(2000) == 40 and peers.edgc_dense_iters(200) == 20
+    warm = grid["DiLoCo H8 outer 0.7/0.9 inner x1 after 40 dense"]
+    assert warm[warm.index("--diloco-warmup-iters") + 1] == "40"
+    first, halved = peers.tuning_stages(grid)
+    assert len(first) == 7 and all(" inner x1" in n for n in first)
+    assert halved(first[0]) in grid and " inner x0.5" in halved(first[0])
     assert peers.choose_tuned({"b": 4.9, "a": 4.9, "c": 5.1}) == "a"
     assert "DiLoCo H8 tuned" not in peers.modes(2000)
     peers.TUNED["8"] = {"flags": floor}
     try:
         assert peers.modes(2000)["DiLoCo H8 tuned"] == (peers.DDP, floor)
         assert "DiLoCo H8" in peers.modes(2000)
+        # its per-iteration cost is the timed paper-setting DiLoCo's at H8; a warm-up arm's
+        # is its own
+        assert peers.timed_as("DiLoCo H8 tuned", floor) == "DiLoCo H8"
+        assert peers.timed_as("DiLoCo H8 tuned", warm) == "DiLoCo H8 tuned"
+        assert peers.timed_as("EDGC", []) == "EDGC"
     finally:
         peers.TUNED.clear()
+
+
+def test_the_staged_tuning_runs_eight_arms_per_h_and_picks_the_lowest(tmp_path, monkeypatch):
+    """tune_diloco: per H the 7 first-stage arms at the inner lr 1x, then only the best
+    one's 0.5x twin; the lowest final val loss of those wins; the arms not run are None."""
+    import bench.peers as peers
+
+    val = {"outer_1per0_inner_x1": 4.8, "outer_1per0_inner_x0.5": 4.7}   # plain averaging
+    ran = []
+
+    def fake_run(name, flags, out, iters, reuse, script):
+        ran.append(name)
+        key = next((k for k in val if k in name), None)
+        return [{"iteration": iters, "val_loss": val.get(key, 5.0)}], {}
+    monkeypatch.setattr(peers, "run_pretrain", fake_run)
+    monkeypatch.setattr(peers, "TUNE_H", (8,))
+    result = peers.tune_diloco(str(tmp_path), 2000)["8"]
+    assert len(ran) == 8 and ran[-1] == "DiLoCo_H8_outer_1per0_inner_x0.5_seed1239"
+    assert result["chosen"] == "DiLoCo H8 outer 1/0 inner x0.5"
+    assert result["final_val"]["DiLoCo H8 outer 0.3/0.9 inner x0.5"] is None
+    assert json.loads((tmp_path / "diloco_tuning.json").read_text())["8"]["chosen"] == \
+        result["chosen"]
