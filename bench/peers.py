@@ -23,7 +23,9 @@ same data and seeds. Two precisions, and ratios only within one:
   by the peer: inner AdamW, outer Nesterov lr 0.7 momentum 0.9, a sync every H steps)
   and ``Streaming DiLoCo H32/4`` (4 fragments, each sync overlapping one inner step);
   ``DiLoCo H8 tuned`` / ``H32 tuned`` after ``--phase tune-diloco`` (``diloco_grid`` on
-  the tuning seed, the lowest final val loss of the global model: ``choose_tuned``),
+  the tuning seed, searched in two stages: ``tuning_stages``; the lowest final val loss of
+  the global model: ``choose_tuned``; timed as the paper-setting DiLoCo of its H unless
+  the chosen arm has a dense warm-up: ``timed_as``),
   ``static r_max`` (this
   product's PowerSGD at a fixed rank), ``EDGC`` (the paper controller with its default
   flags: dense warm-up bounded at 10 % of the run, the residual's dtype ``auto``);
@@ -686,14 +688,17 @@ def main() -> int:
                    "final_val": {m: {s: final_val(r) for s, r in v.items()}
                                  for m, v in data["loss"].items()}}, fh, indent=1)
     fmt = lambda v: "—" if v is None else format(v, ".4f")  # noqa: E731
+    # the repetitions recorded (the command line's count may not be the one on disk)
+    repeats = max((len(f) for t in data["time"].values() for f in t.values()), default=0)
+    seeds = sorted({s for runs in data["loss"].values() for s in runs})
     long_run = args.loss_iters != 200   # a long race: its own section beside the race's
     body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
             f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
-            f"{args.loss_iters} iterations, seeds {', '.join(map(str, args.seeds))}, an evaluation "
+            f"{args.loss_iters} iterations, seeds {', '.join(map(str, seeds))}, an evaluation "
             f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} "
             f"iterations per link "
-            f"(tbf-shaped veth per rank), {args.repeats} repetitions, every mode once per "
+            f"(tbf-shaped veth per rank), {repeats} repetitions, every mode once per "
             f"repetition, in one timing session"
             + (f" (code {data['session']['code']}, started {data['session']['started']}, "
                f"{data['session'].get('machine', '?')})" if data.get("session") and
