@@ -102,7 +102,7 @@ def cell(values: list) -> str:
 
 def verdict(bypass: list, dense: list, comp: list) -> str:
     """Bypass against the better fixed mode of the phase: inside the spread (the ranges
-    overlap) is no difference."""
+    overlap) is not resolved."""
     best_name, best = min((("dense", dense), ("compressed", comp)),
                           key=lambda nv: statistics.mean(nv[1]))
     if min(bypass) <= max(best):

@@ -7,7 +7,7 @@ EDGC vs PyTorch's ``powerSGD_hook``, side by side, at several link rates.
 
 Every (config, rate, mode) runs ``--repeats`` times (default 3); each figure is the median
 over them with its (min–max), time ratios pair the runs of one repetition, and a verdict
-holds only if it holds in every repetition (a range spanning 1 is "no difference").
+holds only if it holds in every repetition (a range spanning 1 is "not resolved").
 
 For each config (the tiny default and ``configs/gpt2-small-cpu.yaml``) and each rate
 (100 Mbit, 300 Mbit, 1 Gbit, unshaped), the 4 ranks run in their own network namespaces
@@ -347,13 +347,13 @@ def table(results, configs, rates, iters) -> str:
 
 def ratio_cell(ratios: list, limit: float) -> str:
     """``median [min–max]`` of paired ratios with the verdict against ``limit``: met only
-    when every repetition meets it; a range that spans 1 is no difference."""
+    when every repetition meets it; a range that spans 1 is not resolved."""
     med = float(numpy.median(ratios))
     spread = f" [{min(ratios):.2f}–{max(ratios):.2f}]" if len(ratios) > 1 else ""
     if max(ratios) <= limit:
         mark = "✓"
     elif len(ratios) > 1 and min(ratios) <= 1.0 <= max(ratios):
-        mark = "✗ (no difference)"
+        mark = "✗ (not resolved)"
     else:
         mark = "✗"
     return f"{med:.2f}x{spread} {mark}"

@@ -27,14 +27,14 @@ def load(path: str) -> dict:
 
 
 def verdict(before: list, after: list) -> str:
-    """"no difference" where the repetitions' ranges overlap, else which way it moved."""
+    """"not resolved" where the repetitions' ranges overlap, else which way it moved."""
     if not before or not after:
         return "–"
     if max(after) < min(before):
         return "after faster"
     if min(after) > max(before):
         return "after slower"
-    return "no difference"
+    return "not resolved"
 
 
 def cell(values: list, median: float | None) -> str:

@@ -66,7 +66,7 @@ def test_repetitions_give_medians_spreads_and_paired_ratios():
     assert paired_ratios(agg, other) == [0.5, 0.5, 0.5]
     assert ratio_cell([0.5, 0.5, 0.5], 0.95) == "0.50x [0.50–0.50] ✓"
     assert ratio_cell([0.90, 0.94, 0.97], 0.95) == "0.94x [0.90–0.97] ✗"
-    assert ratio_cell([0.90, 0.99, 1.05], 0.95) == "0.99x [0.90–1.05] ✗ (no difference)"
+    assert ratio_cell([0.90, 0.99, 1.05], 0.95) == "0.99x [0.90–1.05] ✗ (not resolved)"
     assert ratio_cell([1.2], 0.95) == "1.20x ✗"
 
 

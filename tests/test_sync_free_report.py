@@ -9,7 +9,7 @@ from bench.sync_free_before_after import render, verdict  # noqa: E402
 
 
 def test_verdict_needs_disjoint_ranges():
-    assert verdict([100, 110, 120], [105, 115, 125]) == "no difference"
+    assert verdict([100, 110, 120], [105, 115, 125]) == "not resolved"
     assert verdict([100, 110, 120], [80, 90, 99]) == "after faster"
     assert verdict([100, 110, 120], [121, 130, 140]) == "after slower"
     assert verdict([], [1.0]) == "–"
