@@ -386,6 +386,39 @@ def steady(records, key, start: int):
     return float(numpy.mean(vals)) if vals else None
 
 
+def dp_rank(record):
+    """The iteration's DP rank (the largest of its buckets'; None: dense or no record)."""
+    ranks = [r for r in (record.get("rank_dp") or []) if r is not None]
+    return max(ranks) if ranks else None
+
+
+def rank_costs(records, start: int) -> dict:
+    """``{rank: mean ms/iter}`` over a timing run's iterations after ``start`` at each DP
+    rank, each rank's first iteration left out (the change's): EDGC's 40-iteration timing
+    run visits other ranks than its long loss run, which is priced rank by rank."""
+    by_rank, previous = {}, None
+    for r in records:
+        rank = dp_rank(r)
+        if r["iteration"] > start and rank is not None and rank == previous:
+            by_rank.setdefault(rank, []).append(r["iter_ms"])
+        previous = rank
+    return {rank: float(numpy.mean(v)) for rank, v in sorted(by_rank.items())}
+
+
+def ms_at_rank(rank_ms: dict, rank, default: float) -> float:
+    """The measured ms/iter at ``rank``: linear between the timed ranks, the nearest timed
+    rank's outside them (above the lowest, an upper bound); ``default`` without a rank."""
+    if rank is None or not rank_ms:
+        return default
+    pts = sorted((int(k), v) for k, v in rank_ms.items())
+    if rank <= pts[0][0]:
+        return pts[0][1]
+    for (r0, m0), (r1, m1) in zip(pts, pts[1:]):
+        if rank <= r1:
+            return m0 + (m1 - m0) * (rank - r0) / (r1 - r0)
+    return pts[-1][1]
+
+
 def timing_figures(records) -> dict:
     """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3;
     and its own warm-up's ms/iter (iterations 3 to its end; None without one), which
@@ -395,6 +428,7 @@ def timing_figures(records) -> dict:
     warm = [r["iter_ms"] for r in records if 3 <= r["iteration"] <= end]
     return {"iter_ms": steady(records, "iter_ms", start),
             "warmup_ms": float(numpy.mean(warm)) if len(warm) >= 3 else None,
+            "rank_ms": rank_costs(records, start),
             "sync_ms": steady(records, "grad_sync_ms", start),
             "mib": steady(records, "dp_bytes_sent_job", start) / 2**20,
             "compress_ms": steady(records, "dp_compress_ms", start)}
@@ -442,11 +476,13 @@ def final_val(records):
     return next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
-def priced(records, ms: float, warm_ms: float) -> list:
-    """The loss run's records with each iteration priced at the link's measured ms/iter
-    (EDGC's dense warm-up at ``warm_ms``)."""
+def priced(records, ms: float, warm_ms: float, rank_ms: dict | None = None) -> list:
+    """The loss run's records with each iteration priced at the link's measured ms/iter:
+    the dense warm-up at ``warm_ms``, a compressed iteration at its own rank's measured cost
+    (``rank_ms``, :func:`ms_at_rank`), else ``ms``."""
     warm = warmup_end(records)
-    return [dict(r, iter_ms=warm_ms if r["iteration"] <= warm else ms) for r in records]
+    return [dict(r, iter_ms=warm_ms if r["iteration"] <= warm else
+                 ms_at_rank(rank_ms, dp_rank(r), ms)) for r in records]
 
 
 def val_at(records, iteration: float):
@@ -495,7 +531,8 @@ def times_to_target(data: dict, rate: str, target) -> dict:
                 # the warm-up at the mode's own measured warm-up (its dense wire), else
                 # (runs recorded before it was kept) at dense fp32's
                 warm_ms = fig.get("warmup_ms") or dense[min(rep, len(dense) - 1)]["iter_ms"]
-                vals[(seed, rep)] = time_to_loss(priced(records, fig["iter_ms"], warm_ms),
+                vals[(seed, rep)] = time_to_loss(priced(records, fig["iter_ms"], warm_ms,
+                                                        fig.get("rank_ms")),
                                                  target)
         out[mode] = vals
     return out

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.peers import ratio_verdict  # noqa: E402
@@ -101,3 +103,31 @@ def test_the_staged_tuning_runs_eight_arms_per_h_and_picks_the_lowest(tmp_path, 
     assert result["final_val"]["DiLoCo H8 outer 0.3/0.9 inner x0.5"] is None
     assert json.loads((tmp_path / "diloco_tuning.json").read_text())["8"]["chosen"] == \
         result["chosen"]
+
+
+def test_a_long_run_is_priced_rank_by_rank():
+    """EDGC's timing run visits ranks 32 and 16; its loss run spends its compressed
+    iterations at 32, 24 and 8: each is priced at its own rank's measured ms/iter (24
+    between the timed ranks, 8 at the lowest timed one's), the dense warm-up at the
+    warm-up's, a mode without ranks at its mean."""
+    import bench.peers as peers
+
+    timing = ([{"iteration": i, "rank_dp": [None], "iter_ms": 700.0} for i in range(1, 11)]
+              + [{"iteration": i, "rank_dp": [32], "iter_ms": 400.0 + (i == 11) * 90}
+                 for i in range(11, 26)]
+              + [{"iteration": i, "rank_dp": [16], "iter_ms": 320.0 + (i == 26) * 90}
+                 for i in range(26, 41)])
+    assert peers.rank_costs(timing, 12) == {32: 400.0, 16: 320.0}   # first at each left out
+    timing[9]["dense_end_iter"] = 10
+    for r in timing:
+        r["dp_bytes_sent_job"] = 2.0 ** 20
+    fig = peers.timing_figures(timing)
+    assert fig["rank_ms"] == {32: 400.0, 16: 320.0}
+    assert fig["warmup_ms"] == 700.0 and fig["iter_ms"] == pytest.approx(
+        (13 * 400 + 14 * 320 + 410) / 28)          # the mean over both ranks: not r32's
+    loss = [{"iteration": 1, "rank_dp": [None]}, {"iteration": 2, "rank_dp": [None]},
+            {"iteration": 3, "rank_dp": [32]}, {"iteration": 4, "rank_dp": [24]},
+            {"iteration": 5, "rank_dp": [8]}, {"iteration": 2, "dense_end_iter": 2}]
+    got = [r["iter_ms"] for r in peers.priced(loss, 350.0, 700.0, fig["rank_ms"])]
+    assert got[:5] == [700.0, 700.0, 400.0, 360.0, 320.0]
+    assert [r["iter_ms"] for r in peers.priced(loss, 350.0, 700.0, {})][2:5] == [350.0] * 3
