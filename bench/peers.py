@@ -758,9 +758,10 @@ def main() -> int:
                   "Against the peers a user would run instead: time to a target loss"
                   + (f", {args.loss_iters} iterations" if long_run else ""),
                   "sudo .venv/bin/python bench/peers.py" + (
-                      f" --loss-iters {args.loss_iters} --out {os.path.relpath(args.out, ROOT)}"
-                      f" --time-from {os.path.relpath(args.time_from, ROOT)} --report-only"
-                      if long_run and args.time_from else ""), body)
+                      f" --loss-iters {args.loss_iters} --seeds {' '.join(map(str, seeds))}"
+                      f" --out {os.path.relpath(args.out, ROOT)}" if long_run else "") + (
+                      f" --time-from {os.path.relpath(args.time_from, ROOT)}"
+                      if args.time_from else ""), body)
     print(table)
     return 0
 
