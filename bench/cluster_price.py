@@ -255,12 +255,19 @@ def price(data: dict, window: int, rate: float) -> dict:
         peer = [r for r in out["rows"] if (r["gpus"], r["gbit"], r["precision"]) == key
                 and not r["ours"] and None not in r["s"]]
         if peer:
-            best = min(peer, key=lambda r: numpy.median(r["s"]))
+            best = peers.fastest_peer({r["mode"]: {(s, 0): t for s, t in zip(r["seeds"], r["s"])}
+                                       for r in peer})
+            best = next(r for r in peer if r["mode"] == best)
             row["best_peer"] = best["mode"]
-            row["vs_best_peer"] = [a and a / b for a, b in zip(row["s"], best["s"])]
-            row["sensitivity"] = {v: [a and a / b for a, b in zip(row[v], best[v])]
-                                  for v in SENSITIVITY}
+            row["vs_best_peer"] = paired_by_seed(row, best, "s")
+            row["sensitivity"] = {v: paired_by_seed(row, best, v) for v in SENSITIVITY}
     return out
+
+
+def paired_by_seed(row: dict, best: dict, key: str) -> list:
+    """``row``'s ``key`` seconds over ``best``'s, seed by seed (the seeds both ran)."""
+    theirs = dict(zip(best["seeds"], best[key]))
+    return [a and a / theirs[s] for s, a in zip(row["seeds"], row[key]) if s in theirs]
 
 
 # ---------------------------------------------------------------- output

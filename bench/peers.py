@@ -562,6 +562,18 @@ def iters_cell(vals: list) -> str:
     return cell + (f", not reached in {missed} of {len(vals)}" if missed else "")
 
 
+def fastest_peer(ttt: dict):
+    """The peer with the lowest median time to target over the (seed, repetition) pairs
+    every peer that reached it ran (a peer with fewer seeds is not judged on its luckiest
+    ones); None without one."""
+    done = {m: v for m, v in ttt.items() if v and None not in v.values()}
+    if not done:
+        return None
+    common = set.intersection(*(set(v) for v in done.values())) or None
+    return min(sorted(done), key=lambda m: numpy.median(
+        [t for k, t in done[m].items() if common is None or k in common]))
+
+
 def ratio_verdict(ratios: list) -> str:
     """The race's one rule (issue 72): over the paired ratios (seeds × repetitions)
     "faster" only where every one is below 1, "slower" only where every one is above,
@@ -602,9 +614,8 @@ def report(data: dict) -> tuple[str, dict]:
         ttt_old = times_to_target(data, rate, old)
         best = {}
         for prec in ("fp32", "bf16"):
-            peers = {m: list(v.values()) for m, v in ttt.items() if m not in OURS
-                     and precision(m) == prec and v and None not in v.values()}
-            best[prec] = min(peers, key=lambda m: numpy.median(peers[m])) if peers else None
+            best[prec] = fastest_peer({m: v for m, v in ttt.items() if m not in OURS
+                                       and precision(m) == prec})
         verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
         for mode in modes(200):
             figs = data["time"][rate].get(mode)

@@ -131,3 +131,16 @@ def test_a_long_run_is_priced_rank_by_rank():
     got = [r["iter_ms"] for r in peers.priced(loss, 350.0, 700.0, fig["rank_ms"])]
     assert got[:5] == [700.0, 700.0, 400.0, 360.0, 320.0]
     assert [r["iter_ms"] for r in peers.priced(loss, 350.0, 700.0, {})][2:5] == [350.0] * 3
+
+
+def test_the_fastest_peer_is_judged_on_the_seeds_all_peers_ran():
+    """A peer with only its luckiest seed is not the fastest for it: the medians are taken
+    over the pairs every peer ran; a peer that missed the target is not a candidate."""
+    from bench.peers import fastest_peer
+
+    full = {(1, 0): 100.0, (2, 0): 80.0, (3, 0): 90.0}
+    lucky = {(2, 0): 85.0}                       # its one seed is everyone's fastest
+    missed = {(1, 0): None, (2, 0): 10.0, (3, 0): 10.0}
+    assert fastest_peer({"full": full, "lucky": lucky, "missed": missed}) == "full"
+    assert fastest_peer({"full": full, "lucky": {(2, 0): 70.0}}) == "lucky"
+    assert fastest_peer({"missed": missed}) is None
