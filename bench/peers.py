@@ -687,7 +687,20 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
     return "\n".join(lines)
 
 
+def load_tuned(out: str) -> None:
+    """The race runs the tuned DiLoCo beside the paper's once ``--phase tune-diloco`` has
+    written ``out/diloco_tuning.json``."""
+    tuning = os.path.join(out, "diloco_tuning.json")
+    if os.path.exists(tuning):
+        with open(tuning) as fh:
+            TUNED.update(json.load(fh))
+
+
 def main() -> int:
+    default_out = os.path.join(ROOT, "bench", "results", "peers")
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--out", default=default_out)
+    load_tuned(first.parse_known_args()[0].out)   # before --modes' choices are listed
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--loss-iters", type=int, default=200)
@@ -703,7 +716,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=SEEDS,
                    help="loss curves of these seeds (the report reads every recorded one)")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "peers"))
+    p.add_argument("--out", default=default_out)
     p.add_argument("--time-from", default=None, metavar="DIR",
                    help="read the timing runs from DIR (a long race priced at the "
                         "200-iteration race's timing: --time-from bench/results/peers)")
@@ -715,10 +728,6 @@ def main() -> int:
     if args.phase == "tune-diloco":
         tune_diloco(args.out, args.loss_iters)
         return 0
-    tuning = os.path.join(args.out, "diloco_tuning.json")
-    if os.path.exists(tuning):   # the race runs the tuned DiLoCo beside the paper's
-        with open(tuning) as fh:
-            TUNED.update(json.load(fh))
     if not args.report_only:
         if args.phase in ("all", "loss"):
             run_losses(args.out, args.loss_iters, args.modes, args.seeds)

@@ -103,6 +103,11 @@ def test_the_staged_tuning_runs_eight_arms_per_h_and_picks_the_lowest(tmp_path, 
     assert result["final_val"]["DiLoCo H8 outer 0.3/0.9 inner x0.5"] is None
     assert json.loads((tmp_path / "diloco_tuning.json").read_text())["8"]["chosen"] == \
         result["chosen"]
+    try:   # the race's command line then offers the tuned mode, with the chosen flags
+        peers.load_tuned(str(tmp_path))
+        assert peers.modes(2000)["DiLoCo H8 tuned"][1] == result["flags"]
+    finally:
+        peers.TUNED.clear()
 
 
 def test_a_long_run_is_priced_rank_by_rank():
