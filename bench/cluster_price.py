@@ -208,16 +208,11 @@ def iteration_ms(mode: str, rank, iteration: int, n: int, gbit: float, overlap: 
         math_ms(mode, rank, math_scale) + sampler
 
 
-def rank_of(record):
-    ranks = [r for r in (record.get("rank_dp") or []) if r is not None]
-    return max(ranks) if ranks else None
-
-
 def price_run(mode, records, target, n, gbit, overlap=False, sampler=0.0,
               math_scale=1.0) -> dict:
     """One loss run priced: mean ms/iter over the run, seconds and iterations to target."""
     sampler = sampler if flag(mode, "--edgc-mode") == "edgc" else 0.0
-    ms = [iteration_ms(mode, rank_of(r), min(r["iteration"], HOOK_START + 1), n, gbit, overlap,
+    ms = [iteration_ms(mode, peers.dp_rank(r), min(r["iteration"], HOOK_START + 1), n, gbit, overlap,
                        sampler, math_scale) for r in records]
     priced = [dict(r, iter_ms=m) for r, m in zip(records, ms)]
     return {"ms": float(numpy.mean(ms)), "s": peers.time_to_loss(priced, target),
