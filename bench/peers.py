@@ -24,8 +24,8 @@ same data and seeds. Two precisions, and ratios only within one:
   and ``Streaming DiLoCo H32/4`` (4 fragments, each sync overlapping one inner step);
   ``DiLoCo H8 tuned`` / ``H32 tuned`` after ``--phase tune-diloco`` (``diloco_grid`` on
   the tuning seed, searched in two stages: ``tuning_stages``; the lowest final val loss of
-  the global model: ``choose_tuned``; timed as the paper-setting DiLoCo of its H unless
-  the chosen arm has a dense warm-up: ``timed_as``),
+  the global model: ``choose_tuned``; timed as the paper-setting DiLoCo of its H:
+  ``timed_as``, a dense warm-up's iterations priced as dense fp32's: ``mark_dense_warmup``),
   ``static r_max`` (this
   product's PowerSGD at a fixed rank), ``EDGC`` (the paper controller with its default
   flags: dense warm-up bounded at 10 % of the run, the residual's dtype ``auto``);
@@ -278,13 +278,80 @@ def tune_diloco(out: str, iters: int) -> dict:
     return result
 
 
+def tuning_table(tuning: dict) -> str:
+    """``diloco_tuning.json`` as a table: per H and outer step, the final validation loss
+    of the global model on :data:`TUNE_SEED` at the inner lr 1x and 0.5x (the chosen in
+    bold; "not run": the staged search tried only the best outer step at 0.5x)."""
+    lines = ["| H | outer lr / momentum | inner lr x1 | inner lr x0.5 |", "|---" * 4 + "|"]
+    for h, t in sorted(tuning.items(), key=lambda kv: int(kv[0])):
+        vals = t["final_val"]
+        for name in (n for n in vals if " inner x1" in n):
+            cells = []
+            for arm in (name, name.replace(" inner x1", " inner x0.5")):
+                v = vals.get(arm)
+                cell = "not run" if v is None else f"{v:.4f}"
+                cells.append(f"**{cell}** (chosen)" if arm == t["chosen"] else cell)
+            outer = name.removeprefix(f"DiLoCo H{h} outer ").replace(" inner x1", "")
+            lines.append(f"| {h} | {outer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def diloco_rounds(out: str) -> dict:
+    """Over every DiLoCo run under ``out`` (tuning and race): ``{"runs", "rounds",
+    "discarded", "val_on"}``, the rounds torchft discarded (``should_commit`` false) summed
+    and where each run was evaluated (runs recorded before these fields: left out)."""
+    runs = rounds = discarded = 0
+    val_on = set()
+    for path in sorted(glob.glob(os.path.join(out, "*", "DiLoCo*.summary.json"))):
+        with open(path) as fh:
+            summary = json.load(fh)
+        if "diloco_rounds" not in summary:
+            continue
+        runs += 1
+        rounds += summary["diloco_rounds"]
+        discarded += summary["diloco_discarded_rounds"]
+        val_on.add(summary.get("val_on"))
+    return {"runs": runs, "rounds": rounds, "discarded": discarded,
+            "val_on": sorted(v for v in val_on if v)}
+
+
+def diloco_section(out: str) -> str:
+    """The report's paragraph on DiLoCo's tuning and rounds ("" before the tuning ran)."""
+    if not TUNED:
+        return ""
+    r = diloco_rounds(out)
+    chosen = "; ".join(f"H{h}: {t['chosen'].removeprefix(f'DiLoCo H{h} ')}"
+                       for h, t in sorted(TUNED.items(), key=lambda kv: int(kv[0])))
+    return (f"\n\nDiLoCo's tuning (`--phase tune-diloco`) on seed {TUNE_SEED}, which no "
+            f"verdict uses: final validation loss of the global model per setting, the "
+            f"lowest chosen per H ({chosen}) and raced as \"DiLoCo H<H> tuned\" (its per-"
+            f"iteration cost the paper-setting DiLoCo's of its H, a dense warm-up's "
+            f"iterations dense fp32's):\n\n{tuning_table(TUNED)}\n\n"
+            f"Rounds torchft discarded (`should_commit` false): {r['discarded']} of "
+            f"{r['rounds']} outer rounds over {r['runs']} DiLoCo runs (tuning and race), "
+            f"each evaluated on {' / '.join(r['val_on']) or '?'}.")
+
+
+def diloco_warmup(flags: list) -> int:
+    """The dense iterations a DiLoCo run's flags put before its first inner loop (0: none)."""
+    return int(flags[flags.index("--diloco-warmup-iters") + 1]) \
+        if "--diloco-warmup-iters" in flags else 0
+
+
 def timed_as(mode: str, flags: list) -> str:
-    """The timed mode whose per-iteration cost ``mode`` has: a tuned DiLoCo without a dense
-    warm-up runs the code path and bytes of the paper-setting DiLoCo at its H (learning
-    rates and momentum change no per-iteration cost); any other mode, itself."""
-    if mode.endswith(" tuned") and flags[flags.index("--diloco-warmup-iters") + 1] == "0":
-        return mode.removesuffix(" tuned")
-    return mode
+    """The timed mode whose per-iteration cost ``mode`` has: a tuned DiLoCo runs the code
+    path and bytes of the paper-setting DiLoCo at its H (learning rates and momentum change
+    no per-iteration cost; a dense warm-up's iterations are priced as dense ones:
+    :func:`mark_dense_warmup`); any other mode, itself."""
+    return mode.removesuffix(" tuned") if mode.endswith(" tuned") else mode
+
+
+def mark_dense_warmup(records: list, dense_iters: int) -> list:
+    """A DiLoCo run with a dense warm-up records no end of it (bench/torch_ddp_peers.py):
+    its flags say ``dense_iters``; the record of that iteration gets ``dense_end_iter``, as
+    EDGC's does, so :func:`priced` charges those iterations at the dense warm-up's cost."""
+    return [dict(r, dense_end_iter=dense_iters) if r["iteration"] == dense_iters else r
+            for r in records]
 
 
 #: What a timing run executes: a commit touching none of it (docs, tests, the report)
@@ -457,6 +524,10 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
                 recs, _ = read_run(path[:-len(".summary.json")] + ".jsonl")
                 timing.setdefault(rate, {}).setdefault(names[mode], []).append(
                     timing_figures(recs))
+    for mode, (_, flags) in modes(loss_iters).items():
+        if diloco_warmup(flags) and mode in loss:
+            loss[mode] = {seed: mark_dense_warmup(records, diloco_warmup(flags))
+                          for seed, records in loss[mode].items()}
     for mode, base in LOSS_OF.items():
         if base in loss:
             loss[mode] = loss[base]
@@ -773,7 +844,8 @@ def main() -> int:
             + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
                        "of its run), priced the same way; the fastest median in bold, a "
                        "spread overlapping another's is not resolved:\n\n"
-                       + levels_table(data) if long_run else "") + "\n\n<!-- notes -->")
+                       + levels_table(data) if long_run else "")
+            + diloco_section(args.out) + "\n\n<!-- notes -->")
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",
                   "Against the peers a user would run instead: time to a target loss"
                   + (f", {args.loss_iters} iterations" if long_run else ""),

@@ -74,10 +74,11 @@ def test_the_diloco_tuning_grid_and_its_rule():
     try:
         assert peers.modes(2000)["DiLoCo H8 tuned"] == (peers.DDP, floor)
         assert "DiLoCo H8" in peers.modes(2000)
-        # its per-iteration cost is the timed paper-setting DiLoCo's at H8; a warm-up arm's
-        # is its own
+        # its per-iteration cost is the timed paper-setting DiLoCo's at H8, a warm-up arm's
+        # too (its dense iterations priced as dense: the next test)
         assert peers.timed_as("DiLoCo H8 tuned", floor) == "DiLoCo H8"
-        assert peers.timed_as("DiLoCo H8 tuned", warm) == "DiLoCo H8 tuned"
+        assert peers.timed_as("DiLoCo H8 tuned", warm) == "DiLoCo H8"
+        assert peers.diloco_warmup(warm) == 40 and peers.diloco_warmup(floor) == 0
         assert peers.timed_as("EDGC", []) == "EDGC"
     finally:
         peers.TUNED.clear()
@@ -149,3 +150,44 @@ def test_the_fastest_peer_is_judged_on_the_seeds_all_peers_ran():
     assert fastest_peer({"full": full, "lucky": lucky, "missed": missed}) == "full"
     assert fastest_peer({"full": full, "lucky": {(2, 0): 70.0}}) == "lucky"
     assert fastest_peer({"missed": missed}) is None
+
+
+def test_a_dense_warmup_arm_pays_dense_for_its_warmup():
+    """A DiLoCo run's dense warm-up, which its records do not mark, is marked from its
+    flags; its iterations are then priced at the dense cost, the rest at DiLoCo's."""
+    import bench.peers as peers
+
+    records = [{"iteration": i, "rank_dp": None} for i in range(1, 101)]
+    marked = peers.mark_dense_warmup(records, 40)
+    assert peers.warmup_end(records) == 0 and peers.warmup_end(marked) == 40
+    cost = [r["iter_ms"] for r in peers.priced(marked, ms=100.0, warm_ms=300.0)]
+    assert sum(cost) == 40 * 300.0 + 60 * 100.0
+
+
+def test_the_tuning_table_and_the_discarded_rounds(tmp_path):
+    """The report's DiLoCo paragraph: each arm's final loss (the chosen in bold, the arms
+    the staged search skipped "not run") and the discarded rounds summed over runs."""
+    import bench.peers as peers
+
+    grid = peers.diloco_grid(8, 2000)
+    finals = {n: (4.9 if " inner x1" in n else None) for n in grid}
+    finals["DiLoCo H8 outer 1/0.5 inner x1"] = 4.7
+    finals["DiLoCo H8 outer 1/0.5 inner x0.5"] = 4.8
+    tuning = {"8": {"chosen": "DiLoCo H8 outer 1/0.5 inner x1", "flags": [],
+                    "final_val": finals}}
+    rows = peers.tuning_table(tuning).splitlines()[2:]
+    assert len(rows) == 7
+    assert "| 8 | 1/0.5 | **4.7000** (chosen) | 4.8000 |" in rows
+    assert "| 8 | 0.7/0.9 after 40 dense | 4.9000 | not run |" in rows
+    for sub, name, summary in (
+            ("tune", "DiLoCo_H8_a_seed1239", {"diloco_rounds": 250,
+                                                "diloco_discarded_rounds": 0,
+                                                "val_on": "the replicas' average"}),
+            ("loss", "DiLoCo_H8_tuned_seed1234", {"diloco_rounds": 250,
+                                                   "diloco_discarded_rounds": 1,
+                                                   "val_on": "the replicas' average"}),
+            ("loss-local-weights", "DiLoCo_H8_seed1234", {"val_loss": 5.1})):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / f"{name}.summary.json").write_text(json.dumps(summary))
+    assert peers.diloco_rounds(str(tmp_path)) == {
+        "runs": 2, "rounds": 500, "discarded": 1, "val_on": ["the replicas' average"]}
