@@ -39,7 +39,8 @@ channel then the uint8 payload; PowerSGD, P then Q (ours: bf16 factors, the rest
 gradient dtype; ``hook r_max``: all fp32, its math assumed ours at that rank: likely low);
 ``local SGD``, gradient all-reduces for ``--hook-start-iter`` (2) iterations, then the fp32
 parameter all-reduce amortized over its period; DiLoCo, the fp32 pseudo-gradient's
-all-reduce amortized over H (its quorum's round trips to the lighthouse unpriced). Priced 0 (lower bounds for those peers): the
+all-reduce amortized over H, a dense warm-up's iterations one fp32 gradient all-reduce each
+(its quorum's round trips to the lighthouse unpriced); the tuned DiLoCo where the race ran it. Priced 0 (lower bounds for those peers): the
 bf16 casts, uint8's (de)quantization of n gathered copies.
 """
 
@@ -166,8 +167,11 @@ def allgather_s(nbytes: float, n: int, gbit: float, alpha_us: float) -> float:
 
 
 def comm_s(mode: str, rank, iteration: int, n: int, gbit: float, shapes,
-           alpha_us: float = ALPHA_US) -> float:
-    """Seconds of one iteration's DP communication (local SGD's averaging amortized)."""
+           alpha_us: float = ALPHA_US, dense_warmup: bool = False) -> float:
+    """Seconds of one iteration's DP communication (local SGD's averaging amortized;
+    ``dense_warmup``: a DiLoCo run's dense warm-up iteration, one fp32 gradient all-reduce)."""
+    if dense_warmup:
+        return allreduce_s(4 * n_params(shapes), n, gbit, alpha_us)
     if flag(mode, "--hook") == "local-sgd":
         whole = allreduce_s(4 * n_params(shapes), n, gbit, alpha_us)
         return whole if iteration <= HOOK_START else whole / int(flag(mode, "--local-sgd-period"))
@@ -200,9 +204,11 @@ def math_ms(mode: str, rank, scale: float = 1.0) -> float:
 
 @functools.lru_cache(maxsize=None)
 def iteration_ms(mode: str, rank, iteration: int, n: int, gbit: float, overlap: bool = False,
-                 sampler: float = 0.0, math_scale: float = 1.0) -> float:
+                 sampler: float = 0.0, math_scale: float = 1.0,
+                 dense_warmup: bool = False) -> float:
     """compute + math (+ EDGC's ``sampler``) + communication; ``overlap``: max(compute, comm)."""
-    comm = 1e3 * comm_s(mode, rank, iteration, n, gbit, medium_shapes())
+    comm = 1e3 * comm_s(mode, rank, iteration, n, gbit, medium_shapes(),
+                        dense_warmup=dense_warmup)
     compute = STEP["compute_ms"][buffers(mode)]
     return (max(compute, comm) if overlap else compute + comm) + \
         math_ms(mode, rank, math_scale) + sampler
@@ -212,8 +218,10 @@ def price_run(mode, records, target, n, gbit, overlap=False, sampler=0.0,
               math_scale=1.0) -> dict:
     """One loss run priced: mean ms/iter over the run, seconds and iterations to target."""
     sampler = sampler if flag(mode, "--edgc-mode") == "edgc" else 0.0
+    # a DiLoCo run's dense warm-up (peers.mark_dense_warmup; EDGC's is priced by its ranks)
+    warm = peers.warmup_end(records) if flag(mode, "--hook") == "diloco" else 0
     ms = [iteration_ms(mode, peers.dp_rank(r), min(r["iteration"], HOOK_START + 1), n, gbit, overlap,
-                       sampler, math_scale) for r in records]
+                       sampler, math_scale, r["iteration"] <= warm) for r in records]
     priced = [dict(r, iter_ms=m) for r, m in zip(records, ms)]
     return {"ms": float(numpy.mean(ms)), "s": peers.time_to_loss(priced, target),
             "iters": peers.time_to_loss([dict(r, iter_ms=1e3) for r in records], target)}
@@ -349,6 +357,7 @@ def main() -> int:
                         "section, beside the race's")
     args = p.parse_args()
     global MODES
+    peers.load_tuned(args.peers)   # the tuned DiLoCo, where the race ran it
     MODES = peers.modes(args.loss_iters)
     with open(os.path.join(ROOT, peers.CONFIG)) as fh:
         edgc = yaml.safe_load(fh)["edgc"]

@@ -134,3 +134,20 @@ def test_sensitivity_reprices_ours_and_the_peer_alike():
         row["sensitivity"]["s_math_double"][0]
     text = cp.sensitivity_table(out, 8)
     assert "| static r_max | math x2 |" in text and "GDS on every sample" in text
+
+
+def test_a_diloco_dense_warmup_pays_the_gradient_allreduce():
+    """A DiLoCo arm after a dense warm-up (marked by bench.peers.mark_dense_warmup): its
+    warm-up iterations pay one fp32 gradient all-reduce each, the rest the pseudo-gradient's
+    all-reduce amortized over H."""
+    from bench import peers
+
+    whole = allreduce_s(4 * PARAMS, 8, 10.0, cp.ALPHA_US)
+    assert cp.comm_s("DiLoCo H8", None, 50, 8, 10.0, SHAPES) == pytest.approx(whole / 8)
+    assert cp.comm_s("DiLoCo H8", None, 50, 8, 10.0, SHAPES, dense_warmup=True) == \
+        pytest.approx(whole)
+    recs = peers.mark_dense_warmup([{"iteration": i, "rank_dp": None} for i in range(1, 5)]
+                                   + [{"iteration": 5, "rank_dp": None, "val_loss": 5.0}], 2)
+    compute = cp.STEP["compute_ms"]["fp32"]
+    got = cp.price_run("DiLoCo H8", recs, 5.0, 8, 10.0)
+    assert got["s"] == pytest.approx((5 * compute + 1e3 * (2 * whole + 3 * whole / 8)) / 1e3)
