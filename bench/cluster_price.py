@@ -34,14 +34,15 @@ gradient buffers, Megatron's default). Communication:
 at 10, 25, 100 Gbit/s per GPU; an all-gather of b bytes per rank = half the all-reduce of n·b.
 Bytes (``sync_bytes`` on ``shard_matrices`` + position embedding and final norm): dense, one
 all-reduce at 4 or 2 bytes per parameter (this product's dense syncs at its default
-``--edgc-dense-wire``, bf16 since issue 64, unless the mode names one); ``uint8``, all-gathers of two fp32 per 512-element
-channel then the uint8 payload; PowerSGD, P then Q (ours: bf16 factors, the rest in the
-gradient dtype; ``hook r_max``: all fp32, its math assumed ours at that rank: likely low);
-``local SGD``, gradient all-reduces for ``--hook-start-iter`` (2) iterations, then the fp32
-parameter all-reduce amortized over its period; DiLoCo, the fp32 pseudo-gradient's
-all-reduce amortized over H, a dense warm-up's iterations one fp32 gradient all-reduce each
-(its quorum's round trips to the lighthouse unpriced); the tuned DiLoCo where the race ran it. Priced 0 (lower bounds for those peers): the
-bf16 casts, uint8's (de)quantization of n gathered copies.
+``--edgc-dense-wire``, bf16 since issue 64, unless the mode names one); ``uint8``,
+all-gathers of two fp32 per 512-element channel then the uint8 payload; PowerSGD, P then Q
+(ours: bf16 factors, the rest in the gradient dtype; ``hook r_max``: all fp32, its math
+assumed ours at that rank: likely low); ``local SGD``, gradient all-reduces for
+``--hook-start-iter`` (2) iterations, then the fp32 parameter all-reduce amortized over its
+period; DiLoCo (the tuned one where the race ran it), the fp32 pseudo-gradient's all-reduce
+amortized over H, a dense warm-up's iterations one fp32 gradient all-reduce each (its
+quorum's round trips to the lighthouse unpriced). Priced 0 (lower bounds for those peers):
+the bf16 casts, uint8's (de)quantization of n gathered copies.
 """
 
 from __future__ import annotations
