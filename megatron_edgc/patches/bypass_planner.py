@@ -8,7 +8,11 @@ declared, ``--edgc-link-gbps``, and then kept), then every ``window`` iterations
 from the job's own collectives on the group — their bytes and the time the link was busy
 with each, from device stamps read at the flushes (:class:`~megatron_edgc.patches.
 dp_stats.DPSyncStats`), MIN over the group's ranks (the last to arrive waits for nobody):
-no probe traffic in steady state, one small all-reduce per group and window. A bucket's
+no probe traffic in steady state, one small all-reduce per group and window. The local
+work of each choice is refitted the same way (issue 80): a compressed bucket's math from
+its own timed steps (the start-up ``a + b·rank`` scaled to them), a dense bucket's casts
+likewise, so that a machine whose math runs slower in the job than in the start-up timing
+(4 processes on 2 cores, a CPU without native bf16) prices what it runs. A bucket's
 decision flips only when the other choice is predicted to win by ``hysteresis`` of the
 larger of saving and cost, so an estimate near the boundary does not flap."""
 
@@ -78,11 +82,16 @@ class BypassPlanner:
         self.cost_model: Optional[dict] = None   # bucket key -> (a, b) seconds
         self._agreed: dict = {}   # rank setting -> decisions agreed inside the instances
         self._dense: Optional[frozenset] = None  # the decisions in force
-        self._samples: dict = {}  # link index -> [(bytes, busy seconds)] since the refit
+        self._samples: dict = {}  # link index -> [(bytes, busy s, dense)] since the refit
         #: process group -> (compressed buckets, the rate their transfers showed) of the
         #: last window, when some of its buckets went compressed
         self._compressed_seen: dict = {}
         self.probe_ratio = 1.5
+        #: bucket key -> its dense path's local work (seconds, the job's own; 0 unseen)
+        self.dense_local: dict = {}
+        #: bucket key -> ("math" | "dense", [samples]) since the refit: a compressed
+        #: step's measured / predicted math, a dense step's local seconds
+        self._local_samples: dict = {}
 
     def process_groups(self) -> list:
         """``(process group, expert)`` of each distinct reduction group, in bucket order
@@ -100,11 +109,22 @@ class BypassPlanner:
             return {}
         return {id(pg): i for i, (pg, _) in enumerate(self.process_groups())}
 
-    def observe(self, link_busy: list) -> None:
-        """One step's ``(link index, bytes, busy seconds)`` of every timed collective
-        (:attr:`DPSyncStats.link_busy`, read at a flush)."""
-        for link, nbytes, busy in link_busy:
-            self._samples.setdefault(link, []).append((nbytes, busy))
+    def observe(self, link_busy: list, local_s: dict = None,
+                predicted_local: dict = None) -> None:
+        """One step's ``(link index, bytes, busy seconds, dense)`` of every timed transfer
+        (:attr:`DPSyncStats.link_busy`, read at a flush), and the local work of each
+        bucket the bypass priced (:attr:`DPSyncStats.local_s` against
+        :attr:`~DPSyncStats.predicted_local`)."""
+        for link, nbytes, busy, dense in link_busy:
+            self._samples.setdefault(link, []).append((nbytes, busy, dense))
+        for key, (dense, predicted) in (predicted_local or {}).items():
+            seconds = (local_s or {}).get(key)
+            if seconds is None or seconds != seconds:
+                continue
+            if dense:
+                self._local_samples.setdefault(key, []).append(("dense", seconds))
+            elif predicted > 0:
+                self._local_samples.setdefault(key, []).append(("math", seconds / predicted))
 
     def refresh_due(self, iteration: int) -> bool:
         """Whether step ``iteration`` starts with a refit (at every window boundary after
@@ -114,45 +134,79 @@ class BypassPlanner:
     def refresh(self) -> list:
         """Refit each group's link from the collectives observed since the last refit
         (MIN of each collective's busy time over the group: a collective on every member);
-        returns ``[(group, old link, new link, how)]`` of the refitted groups. A group
-        with nothing observed keeps its link. Where the group's compressed transfers ran
+        returns ``[(group, old link, new link, how)]`` of the refitted groups.
+
+        The link prices dense buckets, so it is fitted to the dense buckets' transfers
+        only. A compressed bucket's transfers are small: on a slow link they read it
+        several times faster than a dense bucket sees it (a 100 Mbit hop: 65 and 124 kB
+        in 4-12 ms, 675 kB in 76-109 ms; issue 80), so they never set the link. They tell
+        only that the link got faster: where the group's compressed transfers ran
         ``probe_ratio`` times faster than in the window before (same buckets compressed),
-        the link is probed as at start-up: small transfers read a fast link slow (their
-        per-collective overhead, and on a CPU the compute beside them), so only a probe
-        of bulk size says whether dense buckets would now pay."""
+        the link is probed as at start-up, and the decision taken from the probe. A group
+        with no dense transfer and no such speed-up keeps its link."""
         changes = []
         for i, (pg, _) in enumerate(self.process_groups()):
             samples = self._samples.pop(i, [])
             if not samples or pg not in self.links:
                 continue
-            busy = torch.tensor([t if t == t else float("inf") for _, t in samples],
+            busy = torch.tensor([t if t == t else float("inf") for _, t, _ in samples],
                                 dtype=torch.float64, device=self.device)
             dist.all_reduce(busy, op=dist.ReduceOp.MIN, group=pg)
-            kept = [(b, t) for (b, _), t in zip(samples, busy.tolist()) if t != float("inf")]
-            if not kept:
-                continue
+            kept = [(b, t, dense) for (b, _, dense), t in zip(samples, busy.tolist())
+                    if t != float("inf")]
             old = self.links[pg]
-            seen = link_from_collectives(old, [b for b, _ in kept], [t for _, t in kept])
+            dense_seen = [(b, t) for b, t, dense in kept if dense]
+            compressed_seen = [(b, t) for b, t, dense in kept if not dense]
             mix = frozenset(k for k, p in self.plans.items()
                             if p.reduction.process_group is pg and k not in (self._dense or ()))
             before = self._compressed_seen.get(pg)
-            self._compressed_seen[pg] = (mix, seen.gbit_per_s) if mix else None
-            how = f"from the last {len(kept)} transfers"
-            if mix and before is not None and before[0] == mix and \
-                    seen.gbit_per_s >= self.probe_ratio * before[1]:
-                # compressed transfers are small: they show that the link got faster, not
-                # how fast it is for a dense bucket; probe it as at start-up (same answer
-                # on every member: ``seen`` comes from MIN-reduced times)
-                how = (f"probed: the compressed transfers ran "
-                       f"{seen.gbit_per_s / before[1]:.2g}x faster")
+            rate = link_from_collectives(old, *zip(*compressed_seen)).gbit_per_s \
+                if compressed_seen else None
+            self._compressed_seen[pg] = (mix, rate) if mix and rate is not None else None
+            if mix and rate is not None and before is not None and before[0] == mix and \
+                    rate >= self.probe_ratio * before[1]:
+                # the same on every member: ``rate`` comes from MIN-reduced times
+                how = f"probed: the compressed transfers ran {rate / before[1]:.2g}x faster"
                 seen = measure_link(pg, self.device)
+            elif dense_seen:
+                how = f"from the last {len(dense_seen)} dense transfers"
+                seen = link_from_collectives(old, *zip(*dense_seen))
+            else:
+                continue
             self.links[pg] = seen
             changes.append((pg, old, seen, how))
         self._samples = {}
+        self._refit_local_work()
         self._agreed = {}
         if changes:
             self.link = self.links[self.process_groups()[0][0]]
         return changes
+
+    def _refit_local_work(self) -> None:
+        """Each bucket's local work from its steps since the last refit (median; the
+        slowest replica's: MAX over the bucket's group, one all-reduce per group, on every
+        member alike): a compressed bucket's math model scaled by measured / predicted, a
+        dense bucket's casts taken as measured. A bucket without steps of a kind keeps
+        that kind's figure."""
+        samples, self._local_samples = self._local_samples, {}
+        if self.cost_model is None:
+            return
+        for pg, _ in self.process_groups():
+            keys = sorted(k for k, p in self.plans.items() if p.reduction.process_group is pg)
+            fits = torch.full((2, len(keys)), -1.0, dtype=torch.float64)
+            for j, key in enumerate(keys):
+                for row, kind in enumerate(("math", "dense")):
+                    values = sorted(v for k, v in samples.get(key, []) if k == kind)
+                    if values:
+                        fits[row, j] = values[len(values) // 2]
+            fits = fits.to(self.device)
+            dist.all_reduce(fits, op=dist.ReduceOp.MAX, group=pg)
+            for key, (ratio, dense_s) in zip(keys, fits.t().tolist()):
+                if ratio > 0:
+                    a, b = self.cost_model[key]
+                    self.cost_model[key] = (a * ratio, b * ratio)
+                if dense_s >= 0:
+                    self.dense_local[key] = dense_s
 
     def ensure_models(self, rank: int) -> None:
         """The link of every reduction group (measured with probes on first use, or
@@ -179,7 +233,8 @@ class BypassPlanner:
                           [self.links[pg].alpha_s, self.links[pg].s_per_byte]
                           for pg, _ in self.process_groups()],
                 "cost_model": None if self.cost_model is None else
-                {k: list(v) for k, v in self.cost_model.items()}}
+                {k: list(v) for k, v in self.cost_model.items()},
+                "dense_local": dict(self.dense_local)}
 
     def load_state_dict(self, state: dict) -> None:
         groups = self.process_groups()
@@ -192,6 +247,8 @@ class BypassPlanner:
         cost = state.get("cost_model")
         if cost is not None and set(cost) == set(self.plans):
             self.cost_model = {k: tuple(v) for k, v in cost.items()}
+            self.dense_local = {k: v for k, v in state.get("dense_local", {}).items()
+                                if k in self.plans}
 
     # -------------------------------------------------------- the one cost model
 
@@ -210,9 +267,11 @@ class BypassPlanner:
         return compressed_sync_s(link, comp.wire_bytes(), self.math_seconds(key, rank))
 
     def dense_seconds(self, key: str) -> float:
-        """The dense sync of bucket ``key``: one all-reduce in the dense wire dtype."""
+        """The dense sync of bucket ``key``: one all-reduce in the dense wire dtype, and the
+        dense path's local work as the job measured it (0 before it was seen)."""
         plan = self.plans[key]
-        return self.links[plan.reduction.process_group].allreduce_s(plan.dense_bytes)
+        return self.links[plan.reduction.process_group].allreduce_s(plan.dense_bytes) + \
+            self.dense_local.get(key, 0.0)
 
     def time_line(self, r_hi: int, r_lo: int) -> tuple:
         """``(fixed, per rank)`` seconds of every compressed bucket's sync together, the
@@ -231,11 +290,14 @@ class BypassPlanner:
         (collectives and math) is predicted slower than the dense one; the predicted
         saving and cost of the others go into ``stats``."""
         self.ensure_models(rank)
-        dense, savings, costs = set(), {}, {}
+        dense, savings, costs, dense_s = set(), {}, {}, {}
         for key in self.plans:
             costs[key] = self.math_seconds(key, rank)
-            savings[key] = self.dense_seconds(key) - \
-                (self.compressed_seconds(key, rank) - costs[key])
+            dense_s[key] = self.dense_seconds(key)
+            compressed_s = self.compressed_seconds(key, rank)
+            stats.predicted_dense_s += dense_s[key]
+            stats.predicted_compressed_s += compressed_s
+            savings[key] = dense_s[key] - (compressed_s - costs[key])
             # flip the decision in force only on a clear win (no flapping at the boundary)
             margin = 0.0 if self._dense is None else \
                 self.hysteresis * max(savings[key], costs[key]) * \
@@ -247,6 +309,8 @@ class BypassPlanner:
             if key not in dense:
                 stats.predicted_saving_s += savings[key]
                 stats.predicted_cost_s += costs[key]
+            stats.predicted_local[key] = (key in dense, self.dense_local.get(key, 0.0)
+                                          if key in dense else costs[key])
         return dense
 
     def _agree_inside_instances(self, dense: set, rank_setting: tuple) -> frozenset:
@@ -270,11 +334,16 @@ class BypassPlanner:
             self._agreed[rank_setting] = frozenset(agreed)
         return self._agreed[rank_setting]
 
-    def _measure_cost_model(self, r1: int) -> dict:
+    def _measure_cost_model(self, r1: int, trials: int = 3) -> dict:
         """Compress + decompress time of every bucket as ``a + b·rank``: timed at ``r1`` and
-        at half of it (once; EDGC's later ranks are predicted, not re-timed), on random
-        gradients with a scratch compressor (the real state is untouched); the slowest
-        replica's times (MAX over each bucket's reduction group)."""
+        at half of it (once; the job's compressed steps rescale it at each refit), on
+        random gradients with a scratch compressor (the real state is untouched); the
+        slowest replica's times (MAX over each bucket's reduction group).
+
+        Every replica of the group times together, as the job runs the math (a barrier
+        before each trial; the median of ``trials``): where replicas share cores (4
+        processes on 2), one timing alone or beside an idle peer read 47 ms where the
+        job's steps took 65-75 (issue 80)."""
         keys = sorted(self.plans)
         r2 = r1 // 2 if r1 > 1 else 2
         times = []
@@ -282,12 +351,20 @@ class BypassPlanner:
             for key in keys:
                 scratch = self.plans[key].compressor.fresh(rank)
                 grads = self.plans[key].scratch_grads()
+                reduction = self.plans[key].reduction
+                # the replicas (and, on the slow hop, the instance's ranks) that run it at once
+                groups = [g for g in (reduction.intra, reduction.process_group) if g is not None]
 
                 def once():
                     scratch.local_step(grads)
 
                 once()  # allocates Q and the residual
-                times.append(min(_timed(once), _timed(once)))
+                trial = []
+                for _ in range(trials):
+                    for group in groups:
+                        dist.barrier(group=group)
+                    trial.append(_timed(once))
+                times.append(sorted(trial)[len(trial) // 2])
         for pg, _ in self.process_groups():
             at = [i for i, key in enumerate(keys)
                   if self.plans[key].reduction.process_group is pg]

@@ -222,6 +222,8 @@ class DPGradientCompression:
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
         self.dense_keys = frozenset(dense) | self.fallback_keys
+        for key in self.fallback_keys:   # dense by the fallback: its local work is dense
+            self.stats.predicted_local[key] = (True, self.planner.dense_local.get(key, 0.0))
 
     def _can_time_links(self) -> bool:
         """Whether the collectives can be stamped at completion without waiting: CPU
@@ -234,7 +236,7 @@ class DPGradientCompression:
     def observe_link(self, steps: list) -> None:
         """The link collectives of read steps (``DPSyncStats`` after ``resolve_all``)."""
         for step in steps:
-            self.planner.observe(step.link_busy)
+            self.planner.observe(step.link_busy, step.local_s, step.predicted_local)
             step.link_busy = []
 
     def observe_failures(self, steps: list, iteration: int) -> None:
@@ -456,7 +458,7 @@ class DPGradientCompression:
                     stats.fallback_buckets += plan.key in self.fallback_keys
                 pipeline.start(plan.key, reduction.expert,
                                plan.strategy(dense, self.debug_dump, stats.events,
-                                             scale=factor if in_cast else 1.0))
+                                             scale=factor if in_cast else 1.0), dense)
 
         def finish():
             with stream_context(stream):

@@ -77,6 +77,7 @@ class _Turn:
     expert: bool
     strategy: Strategy
     handles: list
+    dense: bool = True   # the bucket goes dense (its transfers time the link in bulk)
 
 
 class BucketPipeline:
@@ -93,8 +94,8 @@ class BucketPipeline:
         self._turns: list = []
         self._phases = 0   # phases issued (a phase's collectives are one transfer)
 
-    def start(self, key: str, expert: bool, strategy: Strategy) -> None:
-        turn = self._advance(_Turn(key, expert, strategy, []))
+    def start(self, key: str, expert: bool, strategy: Strategy, dense: bool = True) -> None:
+        turn = self._advance(_Turn(key, expert, strategy, [], dense))
         if turn is not None:
             self._turns.append(turn)
 
@@ -122,11 +123,11 @@ class BucketPipeline:
             try:
                 phase = next(turn.strategy)
             except StopIteration as end:
-                stats.add_time("compress_s", t0)
+                stats.add_time("compress_s", t0, turn.key)
                 if end.value is not None:
                     stats.add_nonfinite_flag(turn.key, end.value)
                 return None
-            stats.add_time("compress_s", t0)
+            stats.add_time("compress_s", t0, turn.key)
             t0 = stats.clock.stamp()
             turn.handles = []
             self._phases += 1
@@ -137,7 +138,7 @@ class BucketPipeline:
                 if link is not None:
                     stats.add_link_collective(link, c.nbytes, issued,
                                               stats.clock.completion(turn.handles[-1]),
-                                              self._phases)
+                                              self._phases, turn.dense)
                 stats.add_bytes(c.nbytes, 0, turn.expert, c.slow_hop)
                 stats.collectives += 1
             stats.add_time("comm_s", t0)

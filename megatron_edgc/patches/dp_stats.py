@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -42,16 +43,26 @@ class DPSyncStats:
     buckets: int = 0                 # this rank's buckets
     predicted_saving_s: float = 0.0  # link-model saving of the buckets sent compressed
     predicted_cost_s: float = 0.0    # their measured compress + decompress time
+    #: the bypass's predictions of both choices for its buckets at this step's rank
+    #: (every bucket dense; every bucket compressed), and of each bucket's local work on
+    #: the path it takes (``{key: (dense, seconds)}``): what :attr:`local_s` is held to
+    predicted_dense_s: float = 0.0
+    predicted_compressed_s: float = 0.0
+    predicted_local: dict = field(default_factory=dict)
+    #: ``{key: seconds}``: each bucket's local work this step (its strategy's math between
+    #: collectives: compression, or the dense path's casts), from :meth:`resolve_all`
+    local_s: dict = field(default_factory=dict)
     compressed: bool = False
     link_gbps: float = float("nan")  # the bypass's link rate in use (all-reduce payload)
     events: list = field(default_factory=list)
-    #: (link index, bytes, seconds the link was busy with it): each collective on a
-    #: bypass-decided group, filled by :meth:`resolve_all` (the link model's input)
+    #: (link index, bytes, seconds the link was busy with it, dense): each transfer on a
+    #: bypass-decided group, filled by :meth:`resolve_all` (the link model's input);
+    #: ``dense``: of a bucket sent dense (a compressed bucket's transfers are small)
     link_busy: list = field(default_factory=list)
     clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
-    _intervals: list = field(default_factory=list)  # (name, start stamp, end stamp)
+    _intervals: list = field(default_factory=list)  # (name, start, end stamp, key)
     _nonfinite: list = field(default_factory=list)  # (bucket key, bool [2] device tensor)
-    _link: list = field(default_factory=list)       # (link index, bytes, issue, completion)
+    _link: list = field(default_factory=list)  # (link, bytes, issue, completion, phase, dense)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_dense = self.nonfinite_buckets = 0
@@ -61,6 +72,8 @@ class DPSyncStats:
         self.fallback_buckets = self.buckets = 0
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
+        self.predicted_dense_s = self.predicted_compressed_s = 0.0
+        self.predicted_local, self.local_s = {}, {}
         self.compressed = False
         self.link_gbps = float("nan")
         self.events, self.link_busy, self.factor_failures = [], [], []
@@ -79,17 +92,18 @@ class DPSyncStats:
             self.slow_hop_bytes_sent += sent
             self.slow_hop_bytes_dense += dense
 
-    def add_time(self, name: str, start) -> None:
-        """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``."""
-        self._intervals.append((name, start, self.clock.stamp()))
+    def add_time(self, name: str, start, key: Optional[str] = None) -> None:
+        """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``
+        (and into bucket ``key``'s :attr:`local_s`, where given)."""
+        self._intervals.append((name, start, self.clock.stamp(), key))
 
     def add_link_collective(self, link: int, nbytes: int, issued, completed,
-                            phase: int = -1) -> None:
+                            phase: int = -1, dense: bool = True) -> None:
         """A collective of ``nbytes`` on link ``link`` (the bypass planner's group index),
         issued at stamp ``issued``, completing at stamp ``completed``
         (:meth:`~megatron_edgc.patches.timing.IntervalClock.completion`); the collectives
-        of one ``phase`` (issued together) are one transfer."""
-        self._link.append((link, nbytes, issued, completed, phase))
+        of one ``phase`` (issued together) are one transfer; ``dense``: a dense bucket's."""
+        self._link.append((link, nbytes, issued, completed, phase, dense))
 
     def add_nonfinite_flag(self, key: str, flags: torch.Tensor) -> None:
         """Bucket ``key``'s flags of this step (``[2]`` on the device: left non-finite, and
@@ -114,8 +128,11 @@ class DPSyncStats:
         if wait and any(s._intervals or s._link for s in steps):
             steps[0].clock.wait()
         for s in steps:
-            for name, start, end in s._intervals:
-                setattr(s, name, getattr(s, name) + s.clock.seconds_between(start, end))
+            for name, start, end, key in s._intervals:
+                seconds = s.clock.seconds_between(start, end)
+                setattr(s, name, getattr(s, name) + seconds)
+                if key is not None:
+                    s.local_s[key] = s.local_s.get(key, 0.0) + seconds
             s._intervals = []
             s._resolve_link()
         flagged = [(s, key, flag) for s in steps for key, flag in s._nonfinite]
@@ -151,19 +168,19 @@ class DPSyncStats:
         origin = self._link[0][2]
         ends: dict = {}      # link -> the latest completion of its transfers so far
         current = None       # (index in link_busy, link, phase, start) of the open transfer
-        for link, nbytes, issued, completed, phase in self._link:
+        for link, nbytes, issued, completed, phase, dense in self._link:
             start = self.clock.seconds_between(origin, issued)
             end = self.clock.seconds_between(origin, completed)
             if current is not None and current[1:3] == (link, phase) and phase >= 0:
                 i, _, _, first = current
-                _, b, t = self.link_busy[i]
-                self.link_busy[i] = (link, b + nbytes, max(t, end - first))
+                _, b, t, _ = self.link_busy[i]
+                self.link_busy[i] = (link, b + nbytes, max(t, end - first), dense)
             else:
                 first = max(start, ends.get(link, start))
-                self.link_busy.append((link, nbytes, end - first))
+                self.link_busy.append((link, nbytes, end - first, dense))
                 current = (len(self.link_busy) - 1, link, phase, first)
             if end == end:   # NaN: its completion callback has not run (CPU): the busy
                 ends[link] = max(end, ends.get(link, end))   # time reads NaN
-        self.link_busy = [(link, b, t if t != t else max(0.0, t))
-                          for link, b, t in self.link_busy]
+        self.link_busy = [(link, b, t if t != t else max(0.0, t), dense)
+                          for link, b, t, dense in self.link_busy]
         self._link = []

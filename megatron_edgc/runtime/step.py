@@ -388,7 +388,10 @@ class EdgcRuntime:
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,
                        dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
             if math.isfinite(st.link_gbps):   # the bypass's link in force at this step
-                rec["dp_link_gbps"] = st.link_gbps
+                # and its prices of both choices for every bucket it decided
+                rec.update(dp_link_gbps=st.link_gbps,
+                           dp_predicted_dense_ms=st.predicted_dense_s * 1e3,
+                           dp_predicted_compressed_ms=st.predicted_compressed_s * 1e3)
             if st.events and self.dp_rank == 0:
                 for event in st.events:
                     self.log(f"iteration {it}: {event}")
