@@ -327,3 +327,45 @@ def test_compressed_transfers_never_set_the_dense_price(one_process_group, monke
         comp.set_iteration(it)
         comp.prepare_iteration()
         assert comp.dense_keys == frozenset() and comp.link == refitted
+
+
+def test_an_exploring_iteration_measures_the_choice_not_taken(one_process_group):
+    """Every ``explore`` windows the first iteration sends the bucket the other way; the
+    decision in force stays, and its dense transfer, timed on a link that got fast, brings
+    the bucket back to dense at the next refit (the compressed transfers alone could not:
+    latency-bound, they run alike on both links)."""
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from test_host_sync import fake_ddp_chunk
+
+    cost = 0.01
+    comp = DPGradientCompression([fake_ddp_chunk(n_buckets=1)], one_process_group, rank=4,
+                                 compress_single_replica=True, min_compression_rate=2.0,
+                                 start_iter=0, seed=0, bypass="auto", link_window=5,
+                                 link_explore=2)
+    plan = next(iter(comp.plans.values()))
+    slow = _link_with_saving(plan, 1e-4, 10 * cost)
+    comp.planner.links = {one_process_group: slow}
+    comp.planner.cost_model = {plan.key: (cost, 0.0)}
+    wire = sum(plan.compressor.wire_bytes())
+    fast = LinkModel(1e-4, 1e-12)
+    sent = {}
+    for it in range(21):
+        comp.set_iteration(it)
+        comp.prepare_iteration()
+        sent[it] = (comp.dense_keys, comp.stats.explored, comp.planner.in_force)
+        link = slow if it < 12 else fast
+        if comp.dense_keys:
+            comp.planner.observe([(0, plan.dense_bytes, link.allreduce_s(plan.dense_bytes),
+                                   True)])
+        else:                  # latency-bound: the same on both links
+            comp.planner.observe([(0, wire, 2e-3, False)])
+    assert sent[0] == (frozenset(), False, frozenset())          # slow: compressed
+    assert sent[10] == ({plan.key}, True, frozenset())           # explored: dense, once
+    assert all(sent[i][0] == frozenset() for i in range(1, 10)) and sent[11][0] == frozenset()
+    # the link got fast at 12; the latency-bound compressed transfers do not show it ...
+    assert sent[15][0] == frozenset() and sent[15][2] == frozenset()
+    # ... the explored dense transfer of iteration 20 does, at the next refit
+    assert sent[20] == ({plan.key}, True, frozenset())
+    comp.set_iteration(25)
+    comp.prepare_iteration()
+    assert comp.dense_keys == {plan.key} and not comp.stats.explored

@@ -52,6 +52,12 @@ class EdgcConfig:
                                 "bytes and device-timed durations; no probes) and re-decide "
                                 "which buckets go dense; 0: measure once at start-up",
                             min=0, group="method")
+    link_explore: int = knob(4, "bypass: every this many link windows, one iteration sends "
+                                "each bucket the other way (dense where it compresses, "
+                                "compressed where it goes dense), so that the choice not "
+                                "taken stays measured in the job (its transfers, its local "
+                                "work): a compressed bucket's small transfers cannot tell "
+                                "that the link got fast; 0: never", min=0, group="method")
     fallback_iters: int = knob(20, "a bucket whose factorizations keep failing from finite "
                                    "gradients is sent dense for this many iterations, then "
                                    "compressed again; the interval doubles while failures "

@@ -68,10 +68,12 @@ def measure_link(group, device) -> LinkModel:
 
 class BypassPlanner:
     """The bypass's decisions for a set of bucket plans (``plans``: key -> BucketPlan);
-    ``window``: iterations between refits of the measured links (0: never)."""
+    ``window``: iterations between refits of the measured links (0: never); ``explore``:
+    every this many windows, the first iteration sends every bucket the other way (0:
+    never), so that both choices stay measured."""
 
     def __init__(self, plans: dict, device, link: Optional[LinkModel] = None,
-                 window: int = 0, hysteresis: float = 0.25):
+                 window: int = 0, hysteresis: float = 0.25, explore: int = 0):
         self.plans = plans
         self.device = device
         self.declared = link
@@ -79,6 +81,7 @@ class BypassPlanner:
         self.links: dict = {}     # process group -> LinkModel
         self.window = window if link is None else 0
         self.hysteresis = hysteresis
+        self.explore = explore if self.window else 0
         self.cost_model: Optional[dict] = None   # bucket key -> (a, b) seconds
         self._agreed: dict = {}   # rank setting -> decisions agreed inside the instances
         self._dense: Optional[frozenset] = None  # the decisions in force
@@ -125,6 +128,20 @@ class BypassPlanner:
                 self._local_samples.setdefault(key, []).append(("dense", seconds))
             elif predicted > 0:
                 self._local_samples.setdefault(key, []).append(("math", seconds / predicted))
+
+    @property
+    def in_force(self) -> frozenset:
+        """The keys the decisions in force send dense (whatever an exploring iteration
+        sends)."""
+        return self._dense or frozenset()
+
+    def explores(self, iteration: int) -> bool:
+        """Whether step ``iteration`` sends every bucket the other way: the first
+        iteration of every ``explore``-th window after the links are first measured (the
+        same answer on every rank). Its transfers and local work are the other choice's
+        measurements at the next refit; the decisions in force stay."""
+        return bool(self.explore) and bool(self.links) and iteration > 0 and \
+            iteration % (self.window * self.explore) == 0
 
     def refresh_due(self, iteration: int) -> bool:
         """Whether step ``iteration`` starts with a refit (at every window boundary after
@@ -284,11 +301,12 @@ class BypassPlanner:
         per_rank = max(0.0, (at[r_hi] - at[r_lo]) / (r_hi - r_lo)) if r_hi > r_lo else 0.0
         return max(0.0, at[r_hi] - per_rank * r_hi), per_rank
 
-    def decide(self, rank: int, rank_setting: tuple, stats) -> frozenset:
+    def decide(self, rank: int, rank_setting: tuple, stats, explore: bool = False) -> frozenset:
         """The keys to send dense at ``rank`` (collectives on first use of a group, a rank
         setting or the cost model: call outside the schedule): where the compressed sync
-        (collectives and math) is predicted slower than the dense one; the predicted
-        saving and cost of the others go into ``stats``."""
+        (collectives and math) is predicted slower than the dense one (:attr:`in_force`);
+        ``explore``: this iteration sends the others dense and these compressed instead.
+        The predicted saving and cost of the keys sent compressed go into ``stats``."""
         self.ensure_models(rank)
         dense, savings, costs, dense_s = set(), {}, {}, {}
         for key in self.plans:
@@ -304,14 +322,16 @@ class BypassPlanner:
                 (1 if key in self._dense else -1)
             if savings[key] <= costs[key] + margin:
                 dense.add(key)
-        self._dense = dense = self._agree_inside_instances(dense, rank_setting)
+        self._dense = self._agree_inside_instances(dense, rank_setting)
+        sent = frozenset(self.plans) - self._dense if explore else self._dense
+        stats.explored = explore
         for key in self.plans:
-            if key not in dense:
+            if key not in sent:
                 stats.predicted_saving_s += savings[key]
                 stats.predicted_cost_s += costs[key]
-            stats.predicted_local[key] = (key in dense, self.dense_local.get(key, 0.0)
-                                          if key in dense else costs[key])
-        return dense
+            stats.predicted_local[key] = (key in sent, self.dense_local.get(key, 0.0)
+                                          if key in sent else costs[key])
+        return sent
 
     def _agree_inside_instances(self, dense: set, rank_setting: tuple) -> frozenset:
         """On the slow hop the ranks of an instance hold different shards, so their savings

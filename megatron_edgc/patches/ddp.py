@@ -97,14 +97,16 @@ class DPGradientCompression:
 
     ``bypass="auto"`` sends a bucket dense when compressing it would not pay
     (:mod:`~megatron_edgc.patches.bypass_planner`), its links refitted every
-    ``link_window`` iterations from the collectives the job runs (0: measured once).
+    ``link_window`` iterations from the collectives the job runs (0: measured once),
+    and every ``link_explore`` windows one iteration sent the other way.
     """
 
     def __init__(self, chunks, dp_group, *, rank: Optional[int], min_compression_rate: float,
                  start_iter: int, seed: int, bypass: str = "off",
                  link: Optional[LinkModel] = None, factor_dtype: torch.dtype = torch.float32,
                  ef_dtype: torch.dtype = torch.float32, compress_single_replica: bool = False,
-                 link_window: int = 0, debug_dump: Optional[str] = None,
+                 link_window: int = 0, link_explore: int = 0,
+                 debug_dump: Optional[str] = None,
                  dense_wire: str = "grad", fallback_iters: int = 20):
         features.require("ddp")
         # 0.16+: start/finish_grad_sync(force_all_reduce=False); 0.13-0.15: no argument
@@ -151,7 +153,8 @@ class DPGradientCompression:
         self.device = next(iter(devices), None)
         self.stats.clock = IntervalClock(use_cuda=any(d.type == "cuda" for d in devices))
         self.planner = BypassPlanner(self.plans, self.device, link,
-                                     window=link_window if bypass == "auto" else 0)
+                                     window=link_window if bypass == "auto" else 0,
+                                     explore=link_explore)
         self._timed_links: dict = {}   # id(process group) -> link index, once measured
         self.dense_keys: frozenset = frozenset()       # buckets sent dense this iteration
         self.fallback_keys: frozenset = frozenset()    # ... of those, by the fallback
@@ -207,7 +210,10 @@ class DPGradientCompression:
             return
         first = not self.planner.links
         refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
-        dense = self.planner.decide(self.rank, self._rank_setting, self.stats)
+        in_force = self.planner.in_force
+        sent = self.planner.decide(self.rank, self._rank_setting, self.stats,
+                                   explore=self.planner.explores(self.iteration))
+        dense = self.planner.in_force
         if self._can_time_links():
             self._timed_links = self.planner.timed_links()
         self.stats.link_gbps = self.link.gbit_per_s
@@ -215,13 +221,13 @@ class DPGradientCompression:
             self.stats.events.append(
                 f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "
                 f"(all-reduce payload, {how})")
-        if first or dense != self.dense_keys:
+        if first or dense != in_force:
             how = "declared" if self.planner.declared else \
                 "measured at start-up" if first else "refitted"
             self.stats.events.append(
                 f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
                 f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
-        self.dense_keys = frozenset(dense) | self.fallback_keys
+        self.dense_keys = sent | self.fallback_keys
         for key in self.fallback_keys:   # dense by the fallback: its local work is dense
             self.stats.predicted_local[key] = (True, self.planner.dense_local.get(key, 0.0))
 

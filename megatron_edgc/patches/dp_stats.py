@@ -49,6 +49,7 @@ class DPSyncStats:
     predicted_dense_s: float = 0.0
     predicted_compressed_s: float = 0.0
     predicted_local: dict = field(default_factory=dict)
+    explored: bool = False   # the bypass sent every bucket the other way (it measures it)
     #: ``{key: seconds}``: each bucket's local work this step (its strategy's math between
     #: collectives: compression, or the dense path's casts), from :meth:`resolve_all`
     local_s: dict = field(default_factory=dict)
@@ -74,6 +75,7 @@ class DPSyncStats:
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.predicted_dense_s = self.predicted_compressed_s = 0.0
         self.predicted_local, self.local_s = {}, {}
+        self.explored = False
         self.compressed = False
         self.link_gbps = float("nan")
         self.events, self.link_busy, self.factor_failures = [], [], []

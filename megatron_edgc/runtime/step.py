@@ -81,7 +81,8 @@ class EdgcRuntime:
                 link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype,
                 compress_single_replica=e.compress_single_replica,
-                link_window=e.link_window, debug_dump=e.debug_dump, dense_wire=e.dense_wire,
+                link_window=e.link_window, link_explore=e.link_explore,
+                debug_dump=e.debug_dump, dense_wire=e.dense_wire,
                 fallback_iters=e.fallback_iters)
             instances = cfg.parallel.num_distributed_optimizer_instances
             hop = "" if instances == 1 else (
@@ -391,7 +392,8 @@ class EdgcRuntime:
                 # and its prices of both choices for every bucket it decided
                 rec.update(dp_link_gbps=st.link_gbps,
                            dp_predicted_dense_ms=st.predicted_dense_s * 1e3,
-                           dp_predicted_compressed_ms=st.predicted_compressed_s * 1e3)
+                           dp_predicted_compressed_ms=st.predicted_compressed_s * 1e3,
+                           dp_bypass_explored=st.explored)
             if st.events and self.dp_rank == 0:
                 for event in st.events:
                     self.log(f"iteration {it}: {event}")
