@@ -311,3 +311,43 @@ def test_edgc_flags_grouped_in_both_parsers():
     help_text = build_arg_parser().format_help()
     assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
         help_text.index("EDGC diagnostics:")
+
+
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse sse2 avx f16c avx2 bmi2 sha_ni vaes
+"""
+SAPPHIRE = """model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile
+"""
+GRAVITON = """processor\t: 0
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics bf16 i8mm
+"""
+
+
+def test_an_unset_bf16_follows_the_cpus_bf16_instructions(monkeypatch, small_model_argv):
+    """Issue 80: bf16 on a CPU only where it has bf16 instructions (a Zen 3 EPYC converts
+    every operand, ~80x slower than fp32); set, the flag wins; the start-up line says which
+    and why."""
+    from megatron_edgc.config import host
+
+    argv = [a for a in small_model_argv if a != "--no-bf16"]
+    native, what = host.cpu_bf16_from(ZEN3)
+    assert not native and "AMD EPYC has no native bf16 (AVX2" in what
+    native, what = host.cpu_bf16_from(SAPPHIRE)
+    assert native and "AVX512-BF16, AMX-BF16" in what
+    assert host.cpu_bf16_from(GRAVITON)[0]
+    assert host.cpu_bf16_from("flags : avx512f avx2")[1].count("AVX-512") == 1
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for info, expected in ((ZEN3, "fp32"), (SAPPHIRE, "bf16")):
+        monkeypatch.setattr("megatron_edgc.config.run.cpu_bf16",
+                            lambda info=info: host.cpu_bf16_from(info))
+        cfg = parse_config(argv)
+        assert cfg.training.bf16 is None and cfg.precision == expected
+        assert cfg.precision_note.startswith(f"precision: {expected} (unset --bf16 on a CPU: ")
+        forced = parse_config(argv + ["--bf16"])
+        assert forced.precision == "bf16"
+        assert ("(--no-bf16) runs faster here" in forced.precision_note) == (expected == "fp32")
+        assert parse_config(argv + ["--no-bf16"]).precision == "fp32"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_edgc.config.edgc import EdgcConfig
+from megatron_edgc.config.host import cpu_bf16
 from megatron_edgc.config.knobs import check_ranges
 from megatron_edgc.config.rules import check_run_layout, validate_edgc
 from megatron_edgc.config.sections import (CheckpointConfig, DataConfig, EvalConfig,
@@ -35,14 +36,30 @@ class RunConfig:
 
     @property
     def bf16_resolved(self) -> bool:
-        """``--bf16`` as the run takes it: unset means on with CUDA, off without."""
+        """``--bf16`` as the run takes it: unset means on with CUDA, and on a CPU only
+        where it has bf16 instructions (:mod:`megatron_edgc.config.host`)."""
         if self.training.fp16:
             return False
         if self.training.bf16 is not None:
             return self.training.bf16
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.is_available() or cpu_bf16()[0]
+
+    @property
+    def precision_note(self) -> str:
+        """The start-up line that says the run's precision and why."""
+        import torch
+
+        precision = self.precision
+        if torch.cuda.is_available() or precision == "fp16":
+            how = "set" if self.training.bf16 is not None or self.training.fp16 else "CUDA"
+            return f"precision: {precision} ({how})"
+        native, what = cpu_bf16()
+        if self.training.bf16 is None:
+            return f"precision: {precision} (unset --bf16 on a CPU: {what})"
+        advice = "" if native or precision != "bf16" else "; fp32 (--no-bf16) runs faster here"
+        return f"precision: {precision} (set; {what}{advice})"
 
     @property
     def fp16_grads_in_fp32(self) -> bool:

@@ -127,7 +127,9 @@ class TrainingConfig:
     adam_beta2: float = knob(0.95, "Adam beta2", min=0.0, max=1.0)
     adam_eps: float = knob(1e-8, "Adam epsilon", min=0.0, min_exclusive=True)
     seed: int = knob(1234, "random seed (model init, dropout, data order)", min=0)
-    bf16: Optional[bool] = knob(None, "bf16 mixed precision (default: on with CUDA, off on CPU)")
+    bf16: Optional[bool] = knob(None, "bf16 mixed precision (default: on with CUDA; on a CPU "
+                                      "only where it has bf16 instructions, AVX512-BF16 or "
+                                      "AMX-BF16: without them bf16 runs many times slower)")
     grad_reduce_in_bf16: bool = knob(
         False, "keep and reduce the gradients in bf16, as Megatron-LM's --grad-reduce-in-bf16 "
                "(megatron-core grad_reduce_in_fp32=False): half the dense bytes; needs --bf16. "

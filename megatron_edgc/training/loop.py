@@ -298,6 +298,7 @@ class Trainer:
         elif ck.load:
             log_rank0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
         print_notes(cfg)
+        log_rank0(cfg.precision_note)
         self.records.writers = [MetricsWriter(lg.metrics_file, lg.tensorboard_dir,
                                               self.is_logger, resume_from=self.iteration)]
         history = []
