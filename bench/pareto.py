@@ -390,8 +390,9 @@ def report(testbeds: list, entries: list) -> None:
             "most --edgc-rank-step per window; `budget25-rmax…`: twice r_max, a quarter of those "
             "bytes; `budget30-rmax…-lr-step`: twice r_max, 0.3 of its bytes, LR-scheduled and "
             "stepped; `…-adam`: errors weighed by Adam's second moment, "
-            "--edgc-budget-weight adam) are marked. A difference inside the seed spread is no "
-            "difference.\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
+            "--edgc-budget-weight adam) are marked. The columns against dense and static r_max "
+            "pair each run with the same seed; no verdict is drawn from them (most runs have "
+            "one seed).\n\n<!-- notes -->\n\n" + "\n\n".join(parts))
     write_section("pareto", "The loss–bytes plane: adaptive against static",
                   "python bench/pareto.py", body)
 

@@ -651,12 +651,14 @@ def ratio_verdict(ratios: list) -> str:
     "not resolved" otherwise (not "no difference": the spread does not show one)."""
     if not ratios:
         return "—"
-    cell = spread(ratios, ".2f") + "×"
-    if max(ratios) < 1.0:
-        return cell + " faster"
-    if min(ratios) > 1.0:
-        return cell + " slower"
-    return cell + " not resolved"
+    word = "faster" if max(ratios) < 1.0 else "slower" if min(ratios) > 1.0 else \
+        "not resolved"
+    # as many digits as the printed range needs to show the rule (0.998 is not "1.00")
+    for digits in range(2, 7):
+        lo, hi = (float(format(v, f".{digits}f")) for v in (min(ratios), max(ratios)))
+        if (word != "faster" or hi < 1.0) and (word != "slower" or lo > 1.0):
+            break
+    return spread(ratios, f".{digits}f") + "× " + word
 
 
 def paired(ttt: dict, mode: str, other: str):
@@ -729,8 +731,9 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
     """Time to each of several losses, the median (min–max) over seeds × repetitions:
     dense fp32's validation loss at each ``fraction`` of its run (the highest over the
     seeds; the last is the race's target), so a long race says which mode gets to a
-    loose loss first and which to a tight one. The fastest at each loss and link in bold
-    (of the modes that reached it on every seed)."""
+    loose loss first and which to a tight one. At each loss and link, in bold the mode
+    faster than every other that reached it on every seed by the one rule (every paired
+    ratio below 1, :func:`ratio_verdict`), with its largest ratio; none where no mode is."""
     levels = [target_loss(data, f) for f in fractions]
     lines = ["| link | mode | " + " | ".join(
         f"s to {lv:.4f} (dense at {f:.0%})" for f, lv in zip(fractions, levels)) + " |",
@@ -743,16 +746,20 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
         for ttt in per_level:
             done = {m: numpy.median(list(v.values())) for m, v in ttt.items()
                     if v and None not in v.values()}
-            best.append(min(done, key=done.get) if done else None)
+            lead = min(done, key=done.get) if done else None
+            ratios = [r for m in done if m != lead for r in (paired(ttt, lead, m) or [])]
+            best.append((lead, ratio_verdict(ratios)) if ratios and max(ratios) < 1.0
+                        else (None, None))
         for mode in modes(200):
             if mode not in per_level[0]:
                 continue
             cells = []
-            for ttt, fastest in zip(per_level, best):
+            for ttt, (fastest, how) in zip(per_level, best):
                 vals = list(ttt[mode].values())
                 cell = spread(vals) if None not in vals else \
                     f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
-                cells.append(f"**{cell}**" if mode == fastest else cell)
+                cells.append(f"**{cell}**, against every other {how}" if mode == fastest
+                             else cell)
             lines.append(f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | "
                          f"{mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -842,8 +849,9 @@ def main() -> int:
             f"r_max of its precision; faster or slower only where every paired ratio is "
             f"on one side of 1, not resolved otherwise.\n\n"
             + table + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
-                       "of its run), priced the same way; the fastest median in bold, a "
-                       "spread overlapping another's is not resolved:\n\n"
+                       "of its run), priced the same way; in bold a mode faster than every "
+                       "other, only where every paired ratio against each of them is below 1 "
+                       "(their median and range against them all); none otherwise:\n\n"
                        + levels_table(data) if long_run else "")
             + diloco_section(args.out) + "\n\n<!-- notes -->")
     write_section("peers" if not long_run else f"peers_{args.loss_iters}",

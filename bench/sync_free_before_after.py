@@ -27,14 +27,14 @@ def load(path: str) -> dict:
 
 
 def verdict(before: list, after: list) -> str:
-    """"not resolved" where the repetitions' ranges overlap, else which way it moved."""
+    """The one rule (:func:`bench.peers.ratio_verdict`) over every pair of an after and a
+    before repetition (the two ran one after the other: any pairing is as good as
+    another, so all of them): after faster only where every ratio is below 1."""
+    from bench.peers import ratio_verdict
+
     if not before or not after:
         return "–"
-    if max(after) < min(before):
-        return "after faster"
-    if min(after) > max(before):
-        return "after slower"
-    return "not resolved"
+    return ratio_verdict([a / b for a in after for b in before])
 
 
 def cell(values: list, median: float | None) -> str:
@@ -45,17 +45,15 @@ def cell(values: list, median: float | None) -> str:
 
 
 def render(before: dict, after: dict, before_label: str, after_label: str) -> str:
-    rows = ["| config · link · mode | ms/iter before | ms/iter after | after / before | "
-            "DP-sync ms before | DP-sync ms after | verdict (ms/iter) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| config · link · mode | ms/iter before | ms/iter after | DP-sync ms before | "
+            "DP-sync ms after | ms/iter after / before, every pair |",
+            "|---|---|---|---|---|---|"]
     for key, a in after["results"].items():
         b = before["results"].get(key)
         if b is None:
             continue
-        ratio = a["iter_ms"] / b["iter_ms"] if a.get("iter_ms") and b.get("iter_ms") else None
         rows.append(f"| {key.replace('|', ' · ')} | {cell(b['iter_ms_runs'], b['iter_ms'])} | "
                     f"{cell(a['iter_ms_runs'], a['iter_ms'])} | "
-                    f"{'–' if ratio is None else format(ratio, '.3f')} | "
                     f"{cell(b['sync_ms_runs'], b['sync_ms'])} | "
                     f"{cell(a['sync_ms_runs'], a['sync_ms'])} | "
                     f"{verdict(b['iter_ms_runs'], a['iter_ms_runs'])} |")
@@ -64,8 +62,9 @@ def render(before: dict, after: dict, before_label: str, after_label: str) -> st
     return (f"Before: `{before_label}`; after: `{after_label}`. Both `bench/slow_links.py` runs "
             f"with the same flags, {after['iters']} iterations, {after['repeats']} "
             f"repetitions each (medians, min–max), links {link}, one after the other on the "
-            "same idle machine. A difference is called only where the repetitions' ranges "
-            "do not overlap.\n\n" + "\n".join(rows) + "\n\n<!-- notes -->\n")
+            "same idle machine. The ratio pairs every after repetition with every before "
+            "one: faster or slower only where every ratio is on one side of 1, not resolved "
+            "otherwise.\n\n" + "\n".join(rows) + "\n\n<!-- notes -->\n")
 
 
 def main(argv=None) -> int:

@@ -21,6 +21,8 @@ excluded; linear between the two evaluations around it), and the plots
 """
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -41,15 +43,24 @@ from megatron_edgc.config import ConfigError, parse_config  # noqa: E402
 # bypass sends a bucket dense wherever compressing it would not pay on the measured link.
 # Its windows are halved against the config's (10 iterations, warm-up at most 40) so that
 # two thirds of a 120-iteration run are compressed.
-# All three in bf16 mixed precision (faster than fp32 on this CPU: 200 against 298 ms/iter
-# on TP1·PP1·DP4, 2026-11-25). "dense" reduces the gradients in fp32, Megatron-LM's
-# default even with --bf16; "dense-bf16" is what an informed user turns on first,
-# --grad-reduce-in-bf16 (half the bytes, free); EDGC runs on those same bf16 buffers, and
-# its bypass weighs compression against that bf16 dense sync.
-RUNS = {"dense": [], "dense-bf16": ["--grad-reduce-in-bf16"],
-        "edgc": ["--grad-reduce-in-bf16", "--edgc-mode", "edgc", "--edgc-pp-compression",
-                 "edgc", "--edgc-bypass", "auto", "--edgc-window", "10",
-                 "--edgc-warmup-max-iters", "40"]}
+# The precision is the trainer's default on this CPU (issue 80): bf16 where the CPU has
+# bf16 instructions (there bf16 was faster than fp32: 200 against 298 ms/iter on
+# TP1·PP1·DP4, 2026-11-25), fp32 where it has not (an AMD EPYC of family 25 ran the tiny
+# config 4-6x slower in bf16: 6.7-8.3 s an iteration against 1.3-1.6 s). "dense" reduces
+# the gradients in fp32, Megatron-LM's default; "dense-bf16" sends them as bf16, what an
+# informed user turns on first (half the bytes, free): in bf16 training Megatron's
+# --grad-reduce-in-bf16, in fp32 training the dense sync with a bf16 wire (torch's
+# bf16_compress_hook; here EDGC's dense path, compression never started). EDGC runs on the
+# same buffers, and its bypass weighs compression against that bf16 dense sync.
+EDGC = ["--edgc-mode", "edgc", "--edgc-pp-compression", "edgc", "--edgc-bypass", "auto",
+        "--edgc-window", "10", "--edgc-warmup-max-iters", "40"]
+RUNS_BY_PRECISION = {
+    "bf16": {"dense": [], "dense-bf16": ["--grad-reduce-in-bf16"],
+             "edgc": ["--grad-reduce-in-bf16", *EDGC]},
+    "fp32": {"dense": [], "dense-bf16": ["--edgc-mode", "static", "--edgc-start-iter",
+                                         "1000000000", "--edgc-dense-wire", "bf16"],
+             "edgc": EDGC}}
+RUNS = RUNS_BY_PRECISION["bf16"]   # the names, the same in both
 # Both runs: megatron-core's overlapped DP buckets, as Megatron users train. Each bucket's
 # all-reduce (dense) or P (EDGC) starts during backward as soon as the bucket is ready;
 # 500k-element buckets give the tiny model 4 of them (the losses do not depend on it).
@@ -61,19 +72,20 @@ RUNS = {"dense": [], "dense-bf16": ["--grad-reduce-in-bf16"],
 # the last stage, which EDGC does not compress, grows with it. An evaluation every 10
 # iterations (5 batches, ~0.1 s here, outside ms/iter) draws the validation loss against
 # time and places the time to loss. Flags given to the demo come later and win.
-COMMON = ["--bf16", "--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120",
+COMMON = ["--overlap-grad-reduce", "--bucket-size", "500000", "--train-iters", "120",
           "--eval-interval", "10"]
 
 
 def layout(config: str, extra: list) -> tuple:
-    """(world size, DP size) of the run the flags describe (validated, no process started)."""
+    """(world size, DP size, precision note) of the run the flags describe (validated, no
+    process started)."""
     cfg = parse_config(["--config", config, *extra])
     p = cfg.parallel
     dp = p.data_parallel_size or 1
-    return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * dp, dp
+    return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * dp, dp, cfg
 
 
-def train(args, extra: list, world: int) -> int:
+def train(args, extra: list, world: int, runs: dict) -> int:
     """Both runs, over the emulated link when namespaces can be made; records how in
     ``OUT/link.json``."""
     net = None
@@ -92,7 +104,7 @@ def train(args, extra: list, world: int) -> int:
     print(f"link: {how}", flush=True)
 
     try:
-        for i, (name, flags) in enumerate(RUNS.items()):
+        for i, (name, flags) in enumerate(runs.items()):
             print(f"=== {name} ===", flush=True)
             metrics = os.path.join(args.out, f"{name}.jsonl")
             run_flags = COMMON + list(flags)
@@ -230,23 +242,35 @@ def main() -> int:
         except ValueError as exc:
             p.error(f"--link: {exc}")
     try:
-        world, dp = layout(args.config, extra)
+        world, dp, cfg = layout(args.config, extra)
     except (ConfigError, SystemExit) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
 
     if not args.report_only:
-        code = train(args, extra, world)
+        print(cfg.precision_note, flush=True)
+        runs = RUNS_BY_PRECISION["bf16" if cfg.precision == "bf16" else "fp32"]
+        code = train(args, extra, world, runs)
         if code:
             return code
+        with open(os.path.join(args.out, "precision.txt"), "w") as fh:
+            fh.write(cfg.precision_note + "\n")
     with open(os.path.join(args.out, "link.json")) as fh:
         link = json.load(fh)
     summaries = {}
     for name in RUNS:
         with open(os.path.join(args.out, f"{name}.summary.json")) as fh:
             summaries[name] = json.load(fh)
-    report(args.out, summaries, world, dp, link)
+    precision = os.path.join(args.out, "precision.txt")
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):
+        if os.path.exists(precision):
+            print(open(precision).read().strip())
+        report(args.out, summaries, world, dp, link)
+    print(table.getvalue(), end="")
+    with open(os.path.join(args.out, "report.txt"), "w") as fh:   # the README's block
+        fh.write(table.getvalue())
 
     modelled_ms = modelled_link_ms(link, world, dp)
     try:

@@ -307,7 +307,7 @@ def test_edgc_flags_grouped_in_both_parsers():
     assert trainer["EDGC method"][:2] == ["--edgc-mode", "--edgc-rank"]
     assert plug_in == {**trainer, "EDGC diagnostics": trainer["EDGC diagnostics"]
                        + ["--edgc-metrics-file", "--edgc-allow-untested-megatron"]}
-    assert sum(map(len, trainer.values())) == len(keys) == 40
+    assert sum(map(len, trainer.values())) == len(keys) == 41
     help_text = build_arg_parser().format_help()
     assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
         help_text.index("EDGC diagnostics:")

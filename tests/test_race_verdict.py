@@ -20,6 +20,9 @@ def test_a_verdict_needs_the_whole_range_on_one_side_of_one():
     assert ratio_verdict([0.80, 0.85, 1.02]) == "0.85 (0.80–1.02)× not resolved"
     assert ratio_verdict([1.00]) == "1.00× not resolved"
     assert ratio_verdict([]) == "—"
+    # the printed range shows the rule: a bound that rounds to 1 takes more digits
+    assert ratio_verdict([0.94, 0.96, 0.998]) == "0.960 (0.940–0.998)× faster"
+    assert ratio_verdict([1.0004, 1.04, 1.08]) == "1.0400 (1.0004–1.0800)× slower"
 
 
 def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
