@@ -194,3 +194,23 @@ def test_the_tuning_table_and_the_discarded_rounds(tmp_path):
         (tmp_path / sub / f"{name}.summary.json").write_text(json.dumps(summary))
     assert peers.diloco_rounds(str(tmp_path)) == {
         "runs": 2, "rounds": 500, "discarded": 1, "val_on": ["the replicas' average"]}
+
+
+def test_the_timed_code_is_every_file_a_timed_run_executes():
+    """Issue 80: the code version a timing session records covers the benchmark's own
+    files (the race, the peers' trainer, the shaped links, the report, the pricing), not
+    the package alone; its committed results are data and leave it alone."""
+    import subprocess
+
+    from bench.peers import ROOT, TIMED_CODE
+
+    def covered(path):
+        out = subprocess.run(["git", "ls-files", "--", *TIMED_CODE], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+        return path in out
+
+    for path in ("bench/peers.py", "bench/torch_ddp_peers.py", "bench/netns.py",
+                 "bench/report.py", "scripts/plot_run.py", "megatron_edgc/patches/ddp.py",
+                 "pretrain_gpt2_edgc.py", "megatron_edgc/configs/tiny-cpu.yaml"):
+        assert covered(path), path
+    assert not covered("bench/results/peers-2000/time/session.json")
