@@ -31,9 +31,13 @@ def machine() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
+    from megatron_edgc.config.host import cpu_bf16
+
+    # bf16 verdicts hold only where the CPU has bf16 instructions (issue 80): say which
+    bf16 = "native bf16" if cpu_bf16()[0] else "no native bf16"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, megatron-core {mcore}")
+    return (f"{cpu}, {os.cpu_count()} cores ({bf16}), {gpu}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, megatron-core {mcore}")
 
 
 def write_section(name: str, title: str, command: str, body: str,

@@ -259,11 +259,12 @@ class LowRankState:
 
     def _carry_pending(self, i: int, grad: torch.Tensor, scale: float = 1.0) -> None:
         """A matrix's pending residual added into its gradient in this step's units
-        (``scale``: a further factor), recorded as carried by the message."""
+        (``scale``: a further factor), recorded as carried by the message. Scaled in its
+        own dtype and rounded once into the gradient's: ``E`` is kept net of the loss
+        scale, so cast first into fp16 it would fall into subnormals (issue 81)."""
         name = self.entries[i][0]
         if name in self.state.pending:
-            self.ef.add_residual(grad, self.state.pending[name].view_as(grad).to(grad.dtype),
-                                 alpha=scale)
+            self.ef.add_residual(grad, self.state.pending[name].view_as(grad), alpha=scale)
             self.state.carried_pending(name)
 
     def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,

@@ -76,7 +76,7 @@ class EdgcConfig:
                                  "BENCHMARKS.md issue 33); auto: bf16 where the device's "
                                  "bf16 error-feedback kernels cost at most 2x fp32's on a "
                                  "GPU (its memory is worth it), timed at start-up; on the "
-                                 "host fp32 (CPUs measured 1.3-1.8x); "
+                                 "host fp32 (CPUs measured 1.24-1.81x); "
                                  "checkpointed with it",
                          choices=("auto", "fp32", "bf16"),
                          group="method")
