@@ -127,7 +127,10 @@ def main() -> int:
                     f"{spread(get('pred_compressed_ms'))} | {spread(saving)} | "
                     f"{spread(predicted)} | {spread(get('dense_share'), '{:.2f}')} | "
                     f"{', '.join(verdict(r) for r in runs)} |")
+    from bench.peers import code_version
+
     body = "\n".join([
+        f"Code {code_version()}. "
         f"The race's layout (`configs/tiny-cpu.yaml`, TP1·PP1·DP4, fp32) on shaped network "
         f"namespaces, {args.iters} iterations, {args.repeats} repetitions; the product's "
         f"defaults but `--edgc-link-explore 1` (every window's first iteration sends each "
@@ -142,7 +145,7 @@ def main() -> int:
         "| link | mode | dense ms | priced | compressed ms | priced | saving ms | priced "
         "| dense share | decision per repetition |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        *rows])
+        *rows, "", "<!-- notes -->"])
     print(body)
     if not args.no_write:
         write_section("bypass_accuracy", "The bypass's prices against both choices measured "

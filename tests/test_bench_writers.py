@@ -63,3 +63,35 @@ def test_slow_links_writer_for_one_config_keeps_the_other_configs_rows():
     alone, configs_alone, _ = slow_links.merge_recorded(this_run, {})
     assert configs_alone == ["small"] and slow_links.rates_of(alone, "small", rates) == \
         ["300mbit"]
+
+
+def test_a_timed_step_runs_no_give_back(monkeypatch):
+    """Issue 81: the benchmarks' steps report their outcome (applied) outside the timing,
+    as the optimizer does; an unreported step would be settled as a skip when the next one
+    begins, and its give-back (``E += A Bᵀ``) timed inside that ``start``."""
+    import torch
+
+    from bench.step_phases import time_method
+    from megatron_edgc.compression import unit_state
+
+    gave_back, settle = [], unit_state.UnitState.settle
+
+    def watched(self, applied):
+        if not applied and self._factors:
+            gave_back.append(len(self._factors))
+        return settle(self, applied)
+
+    monkeypatch.setattr(unit_state.UnitState, "settle", watched)
+    out = time_method("after", [(64, 48), (48, 32), (1, 16)], 4, "cpu", repeats=3,
+                      warmup=1)
+    assert out["step"] > 0 and gave_back == []
+    monkeypatch.setattr(unit_state.UnitState, "settle", settle)
+    # the watcher sees one where a step goes unreported
+    from megatron_edgc.compression.powersgd import BucketCompressor
+
+    monkeypatch.setattr(unit_state.UnitState, "settle", watched)
+    comp = BucketCompressor([("w", (64, 48))], 4, seed=0)
+    for _ in range(2):
+        bufs, step = comp.start([torch.randn(64, 48)])
+        comp.finish(step, comp.middle(step, bufs))
+    assert gave_back == [1]
