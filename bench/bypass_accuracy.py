@@ -15,9 +15,9 @@ Per link and mode, over the iterations after the first window: the median DP syn
 iterations sent dense and of those sent compressed (``dp_sync_ms``: the sync's own time,
 with the wait for the slowest replica), the bypass's prices of both (``dp_predicted_*``:
 the link and the local work, without that wait), the difference each way (what decides),
-and the decision in force. Right: the decision in force is the choice measured faster, or
-the two are within 10 % of the slower (a tie: either is right). Spread: min–max of the
-medians over the repetitions."""
+and the decision in force. Right: the decision in force is the choice with the shorter
+measured sync, or the two are within 10 % of the longer (a tie: either is right).
+Spread: min–max of the medians over the repetitions."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def summarize(records: list) -> dict:
 
 
 def verdict(s: dict) -> str:
-    """Whether the decision in force (its majority) is the choice measured faster."""
+    """Whether the decision in force (its majority) is the choice with the shorter
+    measured sync."""
     d, c = s["dense_ms"], s["compressed_ms"]
     if abs(d - c) <= TIE * max(d, c):
         return "tie: either is right"
@@ -140,7 +141,8 @@ def main() -> int:
         f"(with the wait for the slowest replica, which no price holds); predicted: the "
         f"bypass's price of each (link and local work). The saving (dense − compressed) "
         f"decides; right where the decision in force (dense share > 0.5: dense) is the "
-        f"faster choice measured, a tie where the two are within {TIE:.0%} of the slower.",
+        f"choice with the shorter measured sync, a tie where the two are within {TIE:.0%} of "
+        f"the longer.",
         "",
         "| link | mode | dense ms | priced | compressed ms | priced | saving ms | priced "
         "| dense share | decision per repetition |",
