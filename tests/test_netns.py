@@ -114,6 +114,24 @@ def test_two_level_cluster_shapes_only_the_links_between_instances(tmp_path, pha
 SLOW_AT, FAST_AT, WINDOW, ITERS = 8, 18, 4, 28
 
 
+def bypass_job(corpus_data, metrics, per_namespace: int, iters: int) -> list:
+    """The bypass's test job: 4 ranks of the tiny model (2 layers, fp32), DP 4 (two
+    distributed-optimizer instances of 2 where ``per_namespace`` is 2), static r16 with the
+    bypass on, its link refitted every ``WINDOW`` iterations and every window's first
+    iteration sent the other way."""
+    layout = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"]
+    if per_namespace > 1:
+        layout += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    return [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
+            "--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"), *layout,
+            "--data-path", corpus_data["prefix"], "--vocab-file", corpus_data["vocab_file"],
+            "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2", "--no-bf16",
+            "--train-iters", str(iters), "--lr-warmup-iters", "2", "--eval-interval", "1000",
+            "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
+            "--edgc-mode", "static", "--edgc-rank", "16", "--edgc-bypass", "auto",
+            "--edgc-link-window", str(WINDOW), "--edgc-link-explore", "1"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 @pytest.mark.parametrize("per_namespace", [1, 2], ids=["flat", "two-level"])
 def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_namespace):
@@ -140,18 +158,8 @@ def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_names
 
     from bench.netns import RateSchedule
 
-    layout = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"]
-    if per_namespace > 1:
-        layout += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
     metrics, log = tmp_path / "m.jsonl", tmp_path / "ranks.log"
-    argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
-            "--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"), *layout,
-            "--data-path", corpus_data["prefix"], "--vocab-file", corpus_data["vocab_file"],
-            "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2", "--no-bf16",
-            "--train-iters", str(ITERS), "--lr-warmup-iters", "2", "--eval-interval", "1000",
-            "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
-            "--edgc-mode", "static", "--edgc-rank", "16", "--edgc-bypass", "auto",
-            "--edgc-link-window", str(WINDOW), "--edgc-link-explore", "1"]
+    argv = bypass_job(corpus_data, metrics, per_namespace, ITERS)
     rates = RateSchedule([(SLOW_AT, "25mbit"), (FAST_AT, "2gbit")], str(log))
     with ShapedNetwork(4, "2gbit", ranks_per_namespace=per_namespace) as net:
         with open(log, "w") as out:
@@ -207,18 +215,8 @@ def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
     import json
     import statistics
 
-    layout = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"]
-    if per_namespace > 1:
-        layout += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
     metrics, log = tmp_path / "m.jsonl", tmp_path / "ranks.log"
-    argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt2_edgc.py"),
-            "--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"), *layout,
-            "--data-path", corpus_data["prefix"], "--vocab-file", corpus_data["vocab_file"],
-            "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2", "--no-bf16",
-            "--train-iters", "24", "--lr-warmup-iters", "2", "--eval-interval", "1000",
-            "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
-            "--edgc-mode", "static", "--edgc-rank", "16", "--edgc-bypass", "auto",
-            "--edgc-link-window", str(WINDOW), "--edgc-link-explore", "1"]
+    argv = bypass_job(corpus_data, metrics, per_namespace, 24)
     with ShapedNetwork(4, rate, ranks_per_namespace=per_namespace) as net:
         with open(log, "w") as out:
             codes = net.run(argv, env={"OMP_NUM_THREADS": "1"}, timeout=240, stdout=out,
