@@ -109,7 +109,7 @@ KERNELS = {"configs": {"gpt2-medium": {"runs": [
 #: per window). name -> (math scale, GDS on every sample).
 SENSITIVITY = {"s_math_half": (0.5, False), "s_math_double": (2.0, False),
                "s_gds_every_sample": (1.0, True)}
-MODES = peers.modes(200)   # the race's flags (main() sets those of the curves' length)
+MODES = peers.modes()   # the race's flags (main() adds the tuned DiLoCo)
 #: this product's dense wire where a mode does not name one (issue 64: bf16)
 DENSE_WIRE = EdgcConfig().dense_wire
 
@@ -359,7 +359,7 @@ def main() -> int:
     args = p.parse_args()
     global MODES
     peers.load_tuned(args.peers)   # the tuned DiLoCo, where the race ran it
-    MODES = peers.modes(args.loss_iters)
+    MODES = peers.modes()
     with open(os.path.join(ROOT, peers.CONFIG)) as fh:
         edgc = yaml.safe_load(fh)["edgc"]
     window, rate = edgc["window"], edgc["iter_sample_rate"]

@@ -33,22 +33,31 @@ same data and seeds. Two precisions, and ratios only within one:
   with bf16 gradient buffers): ``dense bf16`` (megatron-core's bf16 all-reduce, the peer),
   ``static r_max bf16``, ``EDGC bf16 grads``.
 
-Every EDGC mode runs with ``--edgc-bypass off``: the loss runs are on loopback, where a
-measured link would send everything dense (the bypass's own race: issue 51's, kept in
-``bench/results/peers-issue51/``).
+``hook r_max bf16 model`` (``powerSGD_hook`` with bf16 factors on a bf16 model: torch
+DDP's parameters in bf16, stepped by its AdamW without fp32 main weights) is the
+compressing bf16 peer.
 
-Two kinds of runs, composed:
+This product's modes run as they ship (issue 80): the bypass at ``auto``, EDGC's windows,
+sampling and warm-up from the config, the same flags in the loss and the timing runs.
 
-1. **Loss curves**: each mode, 5 seeds (``--seed 1234+i``), ``--loss-iters`` iterations
-   (200), an evaluation every 20, on loopback (the curve does not depend on the link).
-2. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
-   rank, bench/netns.py): each mode ``--time-iters`` iterations (40), 3 repetitions
-   interleaved (every mode once per repetition), in one timing session on one version
-   of the timed code (``timing_session``: runs of other code are moved aside, never
-   reused; the section names the session's code, start and CPU), its
-   steady ms/iter (after its warm-up; EDGC's windows scaled to the short run), DP sync and
-   bytes. EDGC's dense warm-up iterations of the loss run are priced at the mode's own
-   measured warm-up ms/iter (iterations 3 to its end).
+Two kinds of runs, composed, the timing first:
+
+1. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
+   rank, bench/netns.py): each mode's loss-run config stopped after ``--time-iters``
+   iterations (96: whole outer rounds of every DiLoCo and local SGD, EDGC's dense warm-up
+   and two windows), 3 repetitions interleaved (every mode once per repetition), in one
+   timing session on one version of the timed code (``timing_session``: runs of other
+   code are moved aside, never reused; the section names the session's code, start and
+   CPU), its steady ms/iter (after its warm-up, over whole outer rounds), DP sync, bytes
+   and the bypass's decisions (:func:`dense_share`). EDGC's dense warm-up iterations of
+   the loss run are priced at the mode's own measured warm-up ms/iter (iterations 3 to
+   its end).
+2. **Loss curves**: each mode, 5 seeds (``--seed 1234+i``), ``--loss-iters`` iterations
+   (200), an evaluation every 5 % of the run (a DiLoCo or local SGD at the last round's
+   end before each: bench/torch_ddp_peers.py ``eval_schedule``), on loopback; a mode
+   whose bypass decides (:data:`BYPASSING`) once per link, with the link its timing
+   measured declared to the bypass (:func:`declared_link`), so that its curve takes the
+   decisions it takes on that link (the run's records show each one).
 
 Time to target: dense fp32's validation loss at 75 % of its run, the highest over the
 seeds: a loss every dense and peer run reaches well before its last evaluation (the first
@@ -91,7 +100,11 @@ EVAL_EVERY = 20
 OURS = ("ours dense bf16 wire", "static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
 #: The modes trained in bf16 (bf16 mixed precision, bf16 gradient buffers); the rest fp32.
 #: Ratios are taken within a precision.
-BF16_TRAINED = ("dense bf16", "static r_max bf16", "EDGC bf16 grads")
+BF16_TRAINED = ("dense bf16", "static r_max bf16", "EDGC bf16 grads", "hook r_max bf16 model")
+#: This product's modes whose bypass decides per link (``--edgc-bypass auto``): their loss
+#: runs are per link, on loopback with the link the timing measured declared to the bypass
+#: (:func:`declared_link`), so each link's curve takes that link's decisions.
+BYPASSING = ("static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
 #: The static PowerSGD each precision's EDGC must be no slower than.
 STATIC_OF = {"fp32": "static r_max", "bf16": "static r_max bf16"}
 #: The target: dense fp32's val loss at this fraction of the run (the highest over seeds).
@@ -103,16 +116,12 @@ def precision(mode: str) -> str:
     return "bf16" if mode in BF16_TRAINED else "fp32"
 
 
-def edgc_flags(iters: int, controller: str) -> list:
-    """The paper's defaults scaled: the config's windows for the 200-iteration loss run,
-    the dense warm-up bounded at 2 % of the run (``--edgc-warmup-max-fraction``'s
-    default); for a short timing run, windows of 5 and the bound at a quarter of it."""
-    flags = ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "off",
-             "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
-    if iters < 100:
-        flags += ["--edgc-window", "5", "--edgc-iter-sample-rate", "0.4",
-                  "--edgc-warmup-windows", "1", "--edgc-warmup-max-fraction", "0.25"]
-    return flags
+def edgc_flags(controller: str) -> list:
+    """EDGC as it ships on the race's config: its windows, sampling and warm-up bound
+    (``configs/tiny-cpu.yaml``), the bypass at the product's default (auto), in the loss
+    and the timing runs alike (issue 80)."""
+    return ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "auto",
+            "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
 
 
 #: The dense syncs in bf16 (the warm-up's, the bypass's, the uncompressed rest's): the
@@ -123,9 +132,9 @@ BF16_DENSE = ["--edgc-dense-wire", "bf16"]
 BF16_GRADS = ["--bf16", "--grad-reduce-in-bf16"]
 
 
-def modes(iters: int) -> dict:
+def modes() -> dict:
     """name -> (script, flags)."""
-    static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "off"]
+    static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "auto"]
     return {
         # trained in fp32
         "dense fp32": (TRAINER, ["--edgc-mode", "off"]),
@@ -133,8 +142,7 @@ def modes(iters: int) -> dict:
         # this product's dense sync on a bf16 wire (the warm-up's, the bypass's): a static
         # run that never starts compressing
         "ours dense bf16 wire": (TRAINER, ["--edgc-mode", "static", "--edgc-rank", str(R_MAX),
-                                           "--edgc-start-iter", "1000000", "--edgc-bypass",
-                                           "off", *BF16_DENSE]),
+                                           "--edgc-start-iter", "1000000", *BF16_DENSE]),
         "bf16 wire": (DDP, ["--hook", "bf16"]),
         "uint8": (DDP, ["--hook", "quantize"]),
         "hook r_max": (DDP, ["--hook", "powersgd", "--hook-rank", str(R_MAX)]),
@@ -149,11 +157,15 @@ def modes(iters: int) -> dict:
                                          "--diloco-fragments", "4",
                                          "--diloco-fragment-sync-delay", "1"]),
         "static r_max": (TRAINER, static + ["--edgc-rank", str(R_MAX)]),
-        "EDGC": (TRAINER, edgc_flags(iters, "paper")),
+        "EDGC": (TRAINER, edgc_flags("paper")),
         # trained in bf16 (megatron-core's bf16 mixed precision, bf16 gradient buffers)
         "dense bf16": (TRAINER, ["--edgc-mode", "off", *BF16_GRADS]),
         "static r_max bf16": (TRAINER, static + ["--edgc-rank", str(R_MAX), *BF16_GRADS]),
-        "EDGC bf16 grads": (TRAINER, edgc_flags(iters, "paper") + BF16_GRADS),
+        "EDGC bf16 grads": (TRAINER, edgc_flags("paper") + BF16_GRADS),
+        # a compressing bf16 peer (issue 80): the hook's bf16 factors on a bf16 model (torch
+        # DDP, bf16 parameters stepped by torch's AdamW: no fp32 main weights)
+        "hook r_max bf16 model": (DDP, ["--hook", "powersgd-bf16", "--hook-rank", str(R_MAX),
+                                        "--bf16"]),
     }
 
 
@@ -183,13 +195,39 @@ def base_flags(iters: int, seed: int) -> list:
             "--lr-warmup-iters", str(max(2, iters // 10))]
 
 
-def run_losses(out: str, iters: int, only=None, seeds=SEEDS) -> None:
+def run_losses(out: str, iters: int, only=None, seeds=SEEDS, rates=RATES) -> None:
+    """Each mode's loss curve per seed, on loopback; a :data:`BYPASSING` mode's once per
+    link, that link's measured model declared (:func:`declared_link`: time it first)."""
     for seed in seeds:
-        for name, (script, flags) in modes(iters).items():
+        for name, (script, flags) in modes().items():
             if (only and name not in only) or name in LOSS_OF:
                 continue
-            run_pretrain(f"{slug(name)}_seed{seed}", base_flags(iters, seed) + flags,
-                         os.path.join(out, "loss"), iters, reuse=True, script=script)
+            for rate in rates if name in BYPASSING else [None]:
+                link = [] if rate is None else declared_link(out, rate, name)
+                if link is None:
+                    print(f"=== {name} @{rate}: no timing run measured the link yet "
+                          f"(--phase time first)", flush=True)
+                    continue
+                run_pretrain(f"{slug(name)}{'' if rate is None else '@' + rate}_seed{seed}",
+                             base_flags(iters, seed) + flags + link,
+                             os.path.join(out, "loss"), iters, reuse=True, script=script)
+
+
+def declared_link(out: str, rate: str, mode: str):
+    """The link mode ``mode``'s timing runs on ``rate`` measured, as the bypass's flags
+    (``--edgc-link-gbps``, ``--edgc-link-latency-ms``: the median over the repetitions of
+    each run's last refit); None before a timing run recorded one. A loss run on loopback
+    given them decides as on that link (tests/test_netns.py checks it)."""
+    links = []
+    for path in sorted(glob.glob(os.path.join(out, "time", rate, f"{slug(mode)}_rep*.jsonl"))):
+        with open(path) as fh:
+            last = [r for r in map(json.loads, filter(str.strip, fh)) if "dp_link_alpha_ms" in r]
+        if last:
+            links.append((last[-1]["dp_link_gbps"], last[-1]["dp_link_alpha_ms"]))
+    if not links:
+        return None
+    gbps, alpha = (float(numpy.median(v)) for v in zip(*links))
+    return ["--edgc-link-gbps", f"{gbps:.6g}", "--edgc-link-latency-ms", f"{alpha:.6g}"]
 
 
 #: DiLoCo's tuning (issue 72), on a seed no verdict uses, per H: the outer step (lr,
@@ -404,7 +442,38 @@ def timing_session(out: str, code: str) -> dict:
     return session
 
 
-def run_timing(out: str, iters: int, only=None, rates=RATES, repeats=REPEATS) -> None:
+def round_length(flags: list) -> int:
+    """The iterations of one outer round of a mode whose replicas meet every H steps
+    (DiLoCo, local SGD); 1 for the modes that sync every step."""
+    for flag in ("--diloco-sync-every", "--local-sgd-period"):
+        if flag in flags:
+            return int(flags[flags.index(flag) + 1])
+    return 1
+
+
+def check_time_iters(time_iters: int, loss_iters: int) -> None:
+    """A timing run is the loss run's config stopped early (``--exit-interval``): it must
+    hold whole outer rounds of every mode (issue 80: DiLoCo priced over whole rounds) and
+    EDGC's dense warm-up with two windows after it. Raises ValueError naming the bound."""
+    rounds = [round_length(f) for _, f in modes().values()]
+    lcm = int(numpy.lcm.reduce(rounds))
+    if time_iters % lcm:
+        raise ValueError(f"--time-iters: must be a multiple of {lcm} (every mode's outer "
+                         f"round), got {time_iters}")
+    import yaml
+
+    with open(os.path.join(ROOT, CONFIG)) as fh:
+        window = yaml.safe_load(fh)["edgc"]["window"]
+    need = edgc_dense_iters(loss_iters) + 2 * window
+    if time_iters < need:
+        raise ValueError(f"--time-iters: must be >= {need} (EDGC's dense warm-up of a "
+                         f"{loss_iters}-iteration run and two windows), got {time_iters}")
+
+
+def run_timing(out: str, iters: int, time_iters: int, only=None, rates=RATES,
+               repeats=REPEATS) -> None:
+    """Every mode on each shaped link, its loss run's config (``iters``) stopped after
+    ``time_iters`` (``--exit-interval``), ``repeats`` times interleaved."""
     timing_session(out, code_version())
     port = 29700
     for rate in rates:
@@ -415,7 +484,7 @@ def run_timing(out: str, iters: int, only=None, rates=RATES, repeats=REPEATS) ->
             raise SystemExit(f"the timing runs need tbf-shaped namespaces (root): {exc}")
         try:
             for rep in range(repeats):
-                for name, (script, flags) in modes(iters).items():
+                for name, (script, flags) in modes().items():
                     if (only and name not in only) or not on_link(name, rate):
                         continue
                     port += 1
@@ -425,7 +494,8 @@ def run_timing(out: str, iters: int, only=None, rates=RATES, repeats=REPEATS) ->
                                         timeout=3600, cwd=ROOT)
                         return max(abs(c) for c in codes)
 
-                    run_pretrain(f"{slug(name)}_rep{rep}", base_flags(iters, SEEDS[0]) + flags,
+                    run_pretrain(f"{slug(name)}_rep{rep}", base_flags(iters, SEEDS[0]) + flags
+                                 + ["--exit-interval", str(time_iters)],
                                  os.path.join(out, "time", rate), iters, reuse=True,
                                  script=script, launch=launch)
         finally:
@@ -451,8 +521,9 @@ def warmup_end(records) -> int:
     return 0
 
 
-def steady(records, key, start: int):
-    vals = [r[key] for r in records if r["iteration"] > start and r.get(key) is not None]
+def steady(records, key, start: int, stop: float = float("inf")):
+    vals = [r[key] for r in records if start < r["iteration"] <= stop
+            and r.get(key) is not None]
     vals = [numpy.nanmax(v) if isinstance(v, list) else v for v in vals]
     return float(numpy.mean(vals)) if vals else None
 
@@ -490,19 +561,34 @@ def ms_at_rank(rank_ms: dict, rank, default: float) -> float:
     return pts[-1][1]
 
 
-def timing_figures(records) -> dict:
-    """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3;
-    and its own warm-up's ms/iter (iterations 3 to its end; None without one), which
-    prices the loss run's warm-up iterations."""
+def timing_figures(records, round_len: int = 1) -> dict:
+    """A timing run's steady figures: after its warm-up (+2: the rank change) or iteration 3,
+    over whole outer rounds of ``round_len`` iterations (issue 80: a DiLoCo window that
+    holds a sync per H steps, not one in 37 iterations); its own warm-up's ms/iter
+    (iterations 3 to its end; None without one), which prices the loss run's warm-up
+    iterations; and the bypass's decisions (:func:`dense_share`)."""
     end = warmup_end(records)
-    start = max(3, end + 2)
+    start = -(-max(3, end + 2) // round_len) * round_len
+    stop = max(r["iteration"] for r in records) // round_len * round_len
+    if stop <= start:   # a run of before issue 80, shorter than a round after its start
+        start, stop = max(3, end + 2), float("inf")
     warm = [r["iter_ms"] for r in records if 3 <= r["iteration"] <= end]
-    return {"iter_ms": steady(records, "iter_ms", start),
+    return {"iter_ms": steady(records, "iter_ms", start, stop),
             "warmup_ms": float(numpy.mean(warm)) if len(warm) >= 3 else None,
             "rank_ms": rank_costs(records, start),
-            "sync_ms": steady(records, "grad_sync_ms", start),
-            "mib": steady(records, "dp_bytes_sent_job", start) / 2**20,
-            "compress_ms": steady(records, "dp_compress_ms", start)}
+            "sync_ms": steady(records, "grad_sync_ms", start, stop),
+            "mib": steady(records, "dp_bytes_sent_job", start, stop) / 2**20,
+            "compress_ms": steady(records, "dp_compress_ms", start, stop),
+            "dense_share": dense_share(records, start)}
+
+
+def dense_share(records, start: int = 0):
+    """The bypass's decisions in a run: the share of its iterations after ``start`` whose
+    decision in force sent a bucket dense (an exploring iteration counted by the decision
+    in force, not by what it sent); None where no bypass decided."""
+    decided = [(r["dp_bypassed_buckets"] > 0) != bool(r.get("dp_bypass_explored"))
+               for r in records if r["iteration"] > start and "dp_link_gbps" in r]
+    return float(numpy.mean(decided)) if decided else None
 
 
 def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = None) -> dict:
@@ -510,13 +596,16 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
     (all that is on disk, whatever the command line selected); the timing from ``time_dir``
     where given (a long race's curves priced at the 200-iteration race's timing: the
     per-iteration cost does not depend on the run's length)."""
-    names = {slug(n): n for n in modes(loss_iters)}
+    names = {slug(n): n for n in modes()}
     loss: dict = {}
+    loss_at: dict = {}   # rate -> {mode: {seed: records}} of the BYPASSING modes
     for path in sorted(glob.glob(os.path.join(out, "loss", "*_seed*.summary.json"))):
         stem = os.path.basename(path)[:-len(".summary.json")]
         mode, seed = stem.rsplit("_seed", 1)
+        mode, _, rate = mode.partition("@")
         if mode in names:
-            loss.setdefault(names[mode], {})[int(seed)] = \
+            curves = loss_at.setdefault(rate, {}) if rate else loss
+            curves.setdefault(names[mode], {})[int(seed)] = \
                 read_run(os.path.splitext(path[:-len(".summary.json")])[0] + ".jsonl")[0]
     timing: dict = {}
     for rate in RATES:
@@ -527,8 +616,8 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
             if mode in names:
                 recs, _ = read_run(path[:-len(".summary.json")] + ".jsonl")
                 timing.setdefault(rate, {}).setdefault(names[mode], []).append(
-                    timing_figures(recs))
-    for mode, (_, flags) in modes(loss_iters).items():
+                    timing_figures(recs, round_length(modes()[names[mode]][1])))
+    for mode, (_, flags) in modes().items():
         if diloco_warmup(flags) and mode in loss:
             loss[mode] = {seed: mark_dense_warmup(records, diloco_warmup(flags))
                           for seed, records in loss[mode].items()}
@@ -536,15 +625,23 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
         if base in loss:
             loss[mode] = loss[base]
     for rate_timing in timing.values():
-        for mode, (_, flags) in modes(loss_iters).items():
+        for mode, (_, flags) in modes().items():
             twin = timed_as(mode, flags)
             if mode not in rate_timing and twin in rate_timing:
                 rate_timing[mode] = rate_timing[twin]
     session = os.path.join(time_dir or out, "time", "session.json")
+    data = {"loss": loss, "loss_at": loss_at, "time": timing, "session": None}
     with contextlib.suppress(OSError):
         with open(session) as fh:
-            return {"loss": loss, "time": timing, "session": json.load(fh)}
-    return {"loss": loss, "time": timing, "session": None}
+            data["session"] = json.load(fh)
+    return data
+
+
+def curves(data: dict, rate: str) -> dict:
+    """``{mode: {seed: records}}`` of the loss curves priced on ``rate``: every mode's,
+    a :data:`BYPASSING` mode's from its run with that link declared (a run of before
+    issue 80, one curve for every link, where no per-link one exists)."""
+    return {**data["loss"], **data.get("loss_at", {}).get(rate, {})}
 
 
 def final_val(records):
@@ -594,7 +691,7 @@ def old_target_loss(data: dict):
 def times_to_target(data: dict, rate: str, target) -> dict:
     """``{mode: {(seed, repetition): seconds}}`` on ``rate`` to ``target`` (None where a
     run never reaches it)."""
-    loss, timing = data["loss"], data["time"].get(rate, {})
+    loss, timing = curves(data, rate), data["time"].get(rate, {})
     dense = timing.get("dense fp32")
     out = {}
     for mode, seeds in loss.items():
@@ -613,11 +710,12 @@ def times_to_target(data: dict, rate: str, target) -> dict:
     return out
 
 
-def iterations_to(data: dict, target) -> dict:
-    """``{mode: [iterations to target per seed]}`` (interpolated; None: not reached)."""
+def iterations_to(data: dict, target, rate: str) -> dict:
+    """``{mode: [iterations to target per seed]}`` on ``rate``'s curves (interpolated;
+    None: not reached)."""
     return {m: [None if target is None else
                 time_to_loss([dict(r, iter_ms=1e3) for r in recs], target)
-                for _, recs in sorted(seeds.items())] for m, seeds in data["loss"].items()}
+                for _, recs in sorted(seeds.items())] for m, seeds in curves(data, rate).items()}
 
 
 def spread(vals, spec=".1f", scale=1.0) -> str:
@@ -677,29 +775,34 @@ def paired(ttt: dict, mode: str, other: str):
 
 def report(data: dict) -> tuple[str, dict]:
     target, old = target_loss(data), old_target_loss(data)
-    iters_to = iterations_to(data, target)
     n_seeds = max((len(v) for v in data["loss"].values()), default=0)
     lines = ["| link | mode | trained in | ms/iter | DP sync ms | DP MiB/iter | compress ms | "
+             "bypass: iterations dense, timing / loss | "
              f"final val loss ({n_seeds} seeds) | iterations to target | time to target s | "
              "vs best peer of its precision, paired | vs static r_max, paired | "
-             "time to old target s |", "|---" * 13 + "|"]
+             "time to old target s |", "|---" * 14 + "|"]
     verdicts = {}
     for rate in RATES:
         if rate not in data["time"]:
             continue
         ttt = times_to_target(data, rate, target)
         ttt_old = times_to_target(data, rate, old)
+        loss, iters_to = curves(data, rate), iterations_to(data, target, rate)
         best = {}
         for prec in ("fp32", "bf16"):
             best[prec] = fastest_peer({m: v for m, v in ttt.items() if m not in OURS
                                        and precision(m) == prec})
         verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
-        for mode in modes(200):
+        for mode in modes():
             figs = data["time"][rate].get(mode)
-            if not figs or not data["loss"].get(mode):   # timed, no curve of this length
+            if not figs or not loss.get(mode):   # timed, no curve of this length
                 continue
             prec = precision(mode)
-            finals = [final_val(r) for r in data["loss"].get(mode, {}).values()]
+            finals = [final_val(r) for r in loss[mode].values()]
+            shares = [f.get("dense_share") for f in figs]
+            bypass = "—" if all(v is None for v in shares) else (
+                spread(shares, ".0%") + " / " + spread([dense_share(r) for r in
+                                                       loss[mode].values()], ".0%"))
             vs, vs_static = "—", "—"
             ratios = paired(ttt, mode, best[prec]) if best[prec] else None
             if ratios:
@@ -722,7 +825,7 @@ def report(data: dict) -> tuple[str, dict]:
                 f"{spread([f['sync_ms'] for f in figs], '.0f')} | "
                 f"{spread([f['mib'] for f in figs], '.2f')} | "
                 f"{spread([f['compress_ms'] for f in figs if f['compress_ms'] is not None])} | "
-                f"{spread([v for v in finals if v is not None], '.4f')} | "
+                f"{bypass} | {spread([v for v in finals if v is not None], '.4f')} | "
                 f"{iters_cell(iters_to.get(mode, []))} | {t_cell(ttt.get(mode))} | {vs} | "
                 f"{vs_static} | {t_cell(ttt_old.get(mode))} |")
     return "\n".join(lines), verdicts
@@ -754,7 +857,7 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
             ratios = [r for m in done if m != lead for r in (paired(ttt, lead, m) or [])]
             best.append((lead, ratio_verdict(ratios)) if ratios and max(ratios) < 1.0
                         else (None, None))
-        for mode in modes(200):
+        for mode in modes():
             if mode not in per_level[0]:
                 continue
             cells = []
@@ -786,8 +889,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--loss-iters", type=int, default=200)
-    p.add_argument("--time-iters", type=int, default=40)
-    p.add_argument("--modes", nargs="+", default=None, choices=list(modes(200)),
+    p.add_argument("--time-iters", type=int, default=96,
+                   help="each timing run: the loss run's config stopped after this many "
+                        "iterations (whole outer rounds of every mode, EDGC's warm-up and "
+                        "two windows)")
+    p.add_argument("--modes", nargs="+", default=None, choices=list(modes()),
                    help="run only these modes (the report still reads every recorded run)")
     p.add_argument("--phase", choices=("all", "loss", "time", "tune-diloco"), default="all",
                    help="tune-diloco: DiLoCo's grid on the tuning seed, per H; the race "
@@ -805,38 +911,49 @@ def main() -> int:
     args = p.parse_args()
     if args.loss_iters < 2 * EVAL_EVERY:
         p.error(f"--loss-iters: must be >= {2 * EVAL_EVERY} (got {args.loss_iters})")
-    if args.time_iters < 10:
-        p.error(f"--time-iters: must be >= 10 (got {args.time_iters})")
+    try:
+        check_time_iters(args.time_iters, args.loss_iters)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.phase == "tune-diloco":
         tune_diloco(args.out, args.loss_iters)
         return 0
     if not args.report_only:
-        if args.phase in ("all", "loss"):
-            run_losses(args.out, args.loss_iters, args.modes, args.seeds)
-            if args.phase == "loss":   # curves only: the report needs the timing too
-                return 0
+        # the timing first: the bypassing modes' loss runs declare the links it measured
         if args.phase in ("all", "time"):
-            run_timing(args.out, args.time_iters, args.modes, args.rates, args.repeats)
+            run_timing(args.out, args.loss_iters, args.time_iters, args.modes, args.rates,
+                       args.repeats)
+        if args.phase in ("all", "loss"):
+            run_losses(args.out, args.loss_iters, args.modes, args.seeds, args.rates)
+            if args.phase == "loss":   # curves only
+                return 0
     data = collect(args.out, args.loss_iters, args.time_iters, args.time_from)
     table, verdicts = report(data)
     target, old = target_loss(data), old_target_loss(data)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"target": target, "old_target": old, "verdicts": verdicts,
                    "timing": data["time"],
-                   "iterations_to_target": iterations_to(data, target),
-                   "final_val": {m: {s: final_val(r) for s, r in v.items()}
-                                 for m, v in data["loss"].items()}}, fh, indent=1)
+                   "iterations_to_target": {rate: iterations_to(data, target, rate)
+                                            for rate in data["time"]},
+                   "final_val": {rate: {m: {s: final_val(r) for s, r in v.items()}
+                                        for m, v in curves(data, rate).items()}
+                                 for rate in data["time"]}}, fh, indent=1)
     fmt = lambda v: "—" if v is None else format(v, ".4f")  # noqa: E731
     # the repetitions recorded (the command line's count may not be the one on disk)
     repeats = max((len(f) for t in data["time"].values() for f in t.values()), default=0)
-    seeds = sorted({s for runs in data["loss"].values() for s in runs})
+    seeds = sorted({s for runs in data["loss"].values() for s in runs}
+                   | {s for at in data["loss_at"].values() for runs in at.values() for s in runs})
     long_run = args.loss_iters != 200   # a long race: its own section beside the race's
     body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
             f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, seeds))}, an evaluation "
-            f"every {eval_interval(args.loss_iters)}, on loopback. Timing: {args.time_iters} "
-            f"iterations per link "
+            f"every {eval_interval(args.loss_iters)} (a mode whose replicas meet every H "
+            f"iterations: at the last round's end before each), on loopback; this product's "
+            f"modes at their defaults, the bypass (auto) deciding per link: their loss runs "
+            f"per link, with the link their timing runs measured declared (rate and "
+            f"latency). Timing: the loss run's config stopped after {args.time_iters} "
+            f"iterations (whole outer rounds of every mode) per link "
             f"(tbf-shaped veth per rank), {repeats} repetitions, every mode once per "
             f"repetition, in one timing session"
             + (f" (code {data['session']['code']}, started {data['session']['started']}, "

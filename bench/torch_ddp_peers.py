@@ -424,6 +424,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                     p.data.copy_(w)
             return dp_mean(float(numpy.mean(losses)))
 
+        evaluates = eval_schedule(t.train_iters, cfg.eval.eval_interval, *round_of(opts))
         is_logger = rank == 0
         writer = MetricsWriter(cfg.logging.metrics_file, None, is_logger)
         history, val_loss, start = [], None, time.perf_counter()
@@ -491,7 +492,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       "dp_bytes_sent_job": int(sent.item()),
                       "rank_dp": [opts.hook_rank] if kind in POWERSGD and
                       it >= opts.hook_start_iter else None}
-            if (it + 1) % cfg.eval.eval_interval == 0 or it + 1 == t.train_iters:
+            if evaluates(it + 1):
                 val_loss = evaluate()
                 record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50))
             history.append(record)
@@ -503,6 +504,10 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                       f" | dp {record['dp_bytes_sent_job'] / 2**20:.2f} MiB"
                       + (f" | val loss {val_loss:.4f}" if "val_loss" in record else ""),
                       flush=True)
+            if t.exit_interval and (it + 1) % t.exit_interval == 0:
+                if is_logger:
+                    print(f"exiting at iteration {it + 1} (--exit-interval)", flush=True)
+                break
         writer.close()
         rounds = discarded = None
         if diloco is not None:
@@ -545,6 +550,35 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     finally:
         stack.close()
         shutdown_worker()
+
+
+def round_of(opts) -> tuple[int, int]:
+    """``(H, first)``: a mode whose replicas drift apart between syncs meets every H
+    iterations from iteration ``first`` on (DiLoCo after its dense warm-up, local SGD's
+    averager); ``(1, 0)`` for the modes that sync every step."""
+    if opts.hook == "diloco":
+        return opts.diloco_sync_every, opts.diloco_warmup_iters
+    if opts.hook == "local-sgd":
+        return opts.local_sgd_period, opts.hook_start_iter
+    return 1, 0
+
+
+def eval_schedule(train_iters: int, interval: int, h: int = 1, first: int = 0):
+    """Whether iteration ``it`` (1-based) evaluates: every ``interval`` and at the end;
+    where the replicas meet every ``h`` iterations from ``first`` on (issue 80), each
+    evaluation moves back to the last outer round's end at or before it, so the global
+    model is scored as a sync left it, never as a mid-round average (dense iterations
+    before ``first`` keep their evaluations)."""
+    points = sorted({*range(interval, train_iters + 1, interval), train_iters})
+
+    def due(it: int) -> bool:
+        if it <= first or h == 1:
+            return it in points
+        if (it - first) % h:
+            return False
+        nxt = next((p for p in points if p >= it), None)
+        return nxt is not None and nxt - it < h
+    return due
 
 
 def main(argv=None) -> int:

@@ -369,3 +369,45 @@ def test_an_exploring_iteration_measures_the_choice_not_taken(one_process_group)
     comp.set_iteration(25)
     comp.prepare_iteration()
     assert comp.dense_keys == {plan.key} and not comp.stats.explored
+
+
+def test_a_declared_link_is_kept_and_the_local_work_still_refitted(one_process_group,
+                                                                   monkeypatch):
+    """Issue 80: a declared link (``--edgc-link-gbps``, ``--edgc-link-latency-ms``) prices
+    every dense bucket as declared, through every refit, while each choice's local work is
+    refitted from the job's steps and explored as on a measured link: so a run on
+    loopback takes the decisions of the link it declares. No transfer is timed, no probe
+    runs."""
+    from megatron_edgc.patches import bypass_planner
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from test_host_sync import fake_ddp_chunk
+
+    monkeypatch.setattr(bypass_planner, "measure_link",
+                        lambda pg, device: pytest.fail("a declared link is never probed"))
+    cost = 0.01
+    probe = DPGradientCompression([fake_ddp_chunk(n_buckets=1)], one_process_group, rank=4,
+                                  compress_single_replica=True, min_compression_rate=2.0,
+                                  start_iter=0, seed=0, bypass="auto")
+    declared = _link_with_saving(next(iter(probe.plans.values())), 3e-3, 2 * cost)
+    comp = DPGradientCompression([fake_ddp_chunk(n_buckets=1)], one_process_group, rank=4,
+                                 compress_single_replica=True, min_compression_rate=2.0,
+                                 start_iter=0, seed=0, bypass="auto", link=declared,
+                                 link_window=5, link_explore=2)
+    plan = next(iter(comp.plans.values()))
+    comp.planner.cost_model = {plan.key: (cost, 0.0)}
+    assert comp.planner.timed_links() == {}
+    sent = {}
+    for it in range(16):
+        comp.set_iteration(it)
+        comp.prepare_iteration()
+        sent[it] = (comp.dense_keys, comp.stats.explored)
+        assert comp.link == declared
+        assert comp.stats.link_alpha_ms == pytest.approx(3.0)
+        # the job's math runs at 3x the start-up timing: compressing no longer pays
+        local = 0.001 if comp.dense_keys else 3 * cost
+        comp.planner.observe([], {plan.key: local}, comp.stats.predicted_local)
+    assert all(sent[i] == (frozenset(), False) for i in range(5))   # 2x the math saved
+    assert sent[5] == ({plan.key}, False)                            # refitted: 3x
+    assert sent[10] == (frozenset(), True)                           # explored
+    assert comp.planner.math_seconds(plan.key, 4) == pytest.approx(3 * cost)
+    assert comp.planner.dense_local == {plan.key: pytest.approx(0.001)}

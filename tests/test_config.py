@@ -96,6 +96,9 @@ def test_world_size_from_launcher(small_model_argv):
     (["--edgc-entropy", "kde"], "--edgc-entropy", "must be one of gaussian, histogram", None),
     (["--edgc-bypass", "sometimes"], "--edgc-bypass", "must be one of auto, off", None),
     (["--edgc-link-gbps", "0"], "--edgc-link-gbps", "(0.0, inf]", None),
+    (["--edgc-link-latency-ms", "-1"], "--edgc-link-latency-ms", "[0.0, inf]", None),
+    (["--edgc-link-latency-ms", "2"], "--edgc-link-latency-ms", "needs --edgc-link-gbps",
+     None),
     (["--edgc-link-window", "-1"], "--edgc-link-window", "[0, inf]", None),
     (["--edgc-warmup-max-fraction", "0"], "--edgc-warmup-max-fraction", "(0.0, 1.0]", None),
     (["--edgc-warmup-max-fraction", "1.5"], "--edgc-warmup-max-fraction", "(0.0, 1.0]", None),
@@ -307,7 +310,7 @@ def test_edgc_flags_grouped_in_both_parsers():
     assert trainer["EDGC method"][:2] == ["--edgc-mode", "--edgc-rank"]
     assert plug_in == {**trainer, "EDGC diagnostics": trainer["EDGC diagnostics"]
                        + ["--edgc-metrics-file", "--edgc-allow-untested-megatron"]}
-    assert sum(map(len, trainer.values())) == len(keys) == 41
+    assert sum(map(len, trainer.values())) == len(keys) == 42
     help_text = build_arg_parser().format_help()
     assert help_text.index("EDGC method:") < help_text.index("EDGC controller:") < \
         help_text.index("EDGC diagnostics:")

@@ -51,9 +51,11 @@ def test_two_outer_steps_equal_a_hand_computed_nesterov_step(small_model_argv, t
     """4 inner steps at H = 2 on 2 ranks: 2 outer syncs, each rank's weights after them
     equal the hand-computed outer Nesterov step on the averaged pseudo-gradient (and both
     ranks alike); plain averaging, or no momentum, misses it; the bytes are one fp32
-    all-reduce of the weights per sync, nothing between."""
-    ranks, records, _ = run_peer(small_model_argv, tmp_path, [])
+    all-reduce of the weights per sync, nothing between; the evaluations at round ends."""
+    ranks, records, _ = run_peer(small_model_argv, tmp_path, ["--eval-interval", "3"])
     assert [len(r["syncs"]) for r in ranks] == [2, 2]
+    # the evaluation asked at 3 is taken at the round's end before it (issue 80)
+    assert [r["iteration"] for r in records if "val_loss" in r] == [2, 4]
     # the ranks trained apart between syncs: their local weights differ
     assert any(not torch.equal(ranks[0]["syncs"][0]["local"][n], ranks[1]["syncs"][0]["local"][n])
                for n in ranks[0]["initial"])

@@ -211,7 +211,9 @@ def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
     663 / 118 ms against 649 / 163 alone, 685 / 197 against 658 / 248 beside two busy
     processes; 1 Gbit two-level 37 / 68 against 12 / 33 alone, 74 / 120 against 14 / 48
     beside them (at 100 Mbit flat 175 / 85 against 167 / 87 alone, but a tie beside them:
-    no clear choice to assert)."""
+    no clear choice to assert). The same link declared to a job on loopback
+    (``--edgc-link-gbps``, ``--edgc-link-latency-ms``: the rate and latency the job
+    measured) decides alike."""
     import json
     import statistics
 
@@ -236,3 +238,21 @@ def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
     assert abs(predicted_saving - saving) <= 0.25 * max(dense_ms, compressed_ms), figures
     assert abs(saving) > 0.25 * max(dense_ms, compressed_ms), figures   # a clear choice
     assert in_force == {saving < 0}, figures                            # the faster, always
+    # the same link declared (its rate and latency as the job measured them), on loopback:
+    # the same decisions (bench/peers.py's loss runs take a link's decisions so)
+    import warm
+
+    twin_metrics = tmp_path / "declared.jsonl"
+    link = {"--edgc-link-gbps": records[-1]["dp_link_gbps"],
+            "--edgc-link-latency-ms": records[-1]["dp_link_alpha_ms"]}
+    twin = bypass_job(corpus_data, twin_metrics, per_namespace, 12)
+    twin[-1:] = ["1"] + [str(v) for kv in link.items() for v in kv]
+    proc = warm.run([twin[0], "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "4", *twin[1:]], cwd=ROOT, timeout=240,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    declared = [json.loads(line) for line in twin_metrics.read_text().splitlines()][WINDOW:]
+    assert [r["dp_link_gbps"] for r in declared] == \
+        pytest.approx([link["--edgc-link-gbps"]] * len(declared))
+    assert {(r["dp_bypassed_buckets"] > 0) != r["dp_bypass_explored"]
+            for r in declared} == in_force, (link, figures)

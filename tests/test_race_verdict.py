@@ -72,11 +72,11 @@ def test_the_diloco_tuning_grid_and_its_rule():
     assert len(first) == 7 and all(" inner x1" in n for n in first)
     assert halved(first[0]) in grid and " inner x0.5" in halved(first[0])
     assert peers.choose_tuned({"b": 4.9, "a": 4.9, "c": 5.1}) == "a"
-    assert "DiLoCo H8 tuned" not in peers.modes(2000)
+    assert "DiLoCo H8 tuned" not in peers.modes()
     peers.TUNED["8"] = {"flags": floor}
     try:
-        assert peers.modes(2000)["DiLoCo H8 tuned"] == (peers.DDP, floor)
-        assert "DiLoCo H8" in peers.modes(2000)
+        assert peers.modes()["DiLoCo H8 tuned"] == (peers.DDP, floor)
+        assert "DiLoCo H8" in peers.modes()
         # its per-iteration cost is the timed paper-setting DiLoCo's at H8, a warm-up arm's
         # too (its dense iterations priced as dense: the next test)
         assert peers.timed_as("DiLoCo H8 tuned", floor) == "DiLoCo H8"
@@ -109,7 +109,7 @@ def test_the_staged_tuning_runs_eight_arms_per_h_and_picks_the_lowest(tmp_path, 
         result["chosen"]
     try:   # the race's command line then offers the tuned mode, with the chosen flags
         peers.load_tuned(str(tmp_path))
-        assert peers.modes(2000)["DiLoCo H8 tuned"][1] == result["flags"]
+        assert peers.modes()["DiLoCo H8 tuned"][1] == result["flags"]
     finally:
         peers.TUNED.clear()
 
@@ -214,3 +214,73 @@ def test_the_timed_code_is_every_file_a_timed_run_executes():
                  "pretrain_gpt2_edgc.py", "megatron_edgc/configs/tiny-cpu.yaml"):
         assert covered(path), path
     assert not covered("bench/results/peers-2000/time/session.json")
+
+
+def test_diloco_is_priced_over_whole_rounds_and_scored_at_round_ends():
+    """Issue 80: a DiLoCo H32 timing run of 96 iterations is priced over its whole rounds
+    after the first (iterations 33-96: two syncs in 64 iterations, not one in 37), and its
+    evaluations move back to the last round's end before each (the global model as a sync
+    left it); the modes that sync every step keep theirs; a timing length that splits a
+    round is refused."""
+    import bench.peers as peers
+    from bench.torch_ddp_peers import eval_schedule
+
+    sync = {32, 64, 96}
+    records = [{"iteration": i, "iter_ms": 1000.0 if i in sync else 100.0,
+                "grad_sync_ms": [1.0], "dp_bytes_sent_job": 0} for i in range(1, 97)]
+    fig = peers.timing_figures(records, round_len=32)
+    assert fig["iter_ms"] == pytest.approx((2 * 1000 + 62 * 100) / 64)
+    # from iteration 4 on: three syncs in 93 iterations (a round and 29 iterations more)
+    assert peers.timing_figures(records)["iter_ms"] == pytest.approx((3 * 1000 + 90 * 100) / 93)
+    assert peers.round_length(["--hook", "diloco", "--diloco-sync-every", "32"]) == 32
+    assert peers.round_length(["--hook", "local-sgd", "--local-sgd-period", "8"]) == 8
+    assert peers.round_length(["--edgc-mode", "edgc"]) == 1
+
+    def evals(*args):
+        due = eval_schedule(2000, 100, *args)
+        return [i for i in range(1, 2001) if due(i)]
+    assert evals() == list(range(100, 2001, 100))
+    assert evals(32, 0)[:3] == [96, 192, 288] and evals(32, 0)[-1] == 1984
+    assert all(i % 8 == 0 for i in evals(8, 0)) and len(evals(8, 0)) == 20
+    # after a dense warm-up of 40: rounds end at 40 + 32 k
+    assert evals(32, 40)[:2] == [72, 200] and evals(32, 40)[-1] == 1992
+    peers.check_time_iters(96, 2000)
+    with pytest.raises(ValueError, match="--time-iters: must be a multiple of 32"):
+        peers.check_time_iters(40, 2000)
+    with pytest.raises(ValueError, match="--time-iters: must be >= 80"):
+        peers.check_time_iters(64, 2000)
+
+
+def test_the_bypassing_modes_race_per_link_with_the_measured_link_declared(tmp_path):
+    """Issue 80: this product's modes run with the bypass at auto; their loss curves are
+    per link, each run declaring the link the mode's timing measured there (the median
+    over repetitions of each run's last refit); the report prices a link with that link's
+    curve and shows the decisions (an explored iteration counted by the decision in
+    force)."""
+    import bench.peers as peers
+
+    for name in peers.BYPASSING:
+        flags = peers.modes()[name][1]
+        assert flags[flags.index("--edgc-bypass") + 1] == "auto"
+    assert "--edgc-bypass" not in peers.modes()["ours dense bf16 wire"][1]
+    assert peers.precision("hook r_max bf16 model") == "bf16"
+    timed = tmp_path / "time" / "100mbit"
+    timed.mkdir(parents=True)
+    for rep, (gbps, alpha) in enumerate([(0.08, 2.0), (0.06, 4.0), (0.07, 3.0)]):
+        lines = [{"iteration": 1, "dp_link_gbps": 1.0, "dp_link_alpha_ms": 0.1},
+                 {"iteration": 2, "dp_link_gbps": gbps, "dp_link_alpha_ms": alpha}]
+        (timed / f"EDGC_rep{rep}.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    assert peers.declared_link(str(tmp_path), "100mbit", "EDGC") == [
+        "--edgc-link-gbps", "0.07", "--edgc-link-latency-ms", "3"]
+    assert peers.declared_link(str(tmp_path), "1gbit", "EDGC") is None
+    records = [{"iteration": i, "dp_link_gbps": 0.07, "dp_bypassed_buckets": int(dense),
+                "dp_bypass_explored": explored}
+               for i, (dense, explored) in enumerate([(1, False), (0, True), (0, False),
+                                                      (1, True)], start=1)]
+    assert peers.dense_share(records) == 0.5      # 1: dense; 2: explored, dense in force
+    assert peers.dense_share([{"iteration": 1}]) is None
+    data = {"loss": {"dense fp32": {1234: "dense"}},
+            "loss_at": {"100mbit": {"EDGC": {1234: "edgc at 100"}}}}
+    assert peers.curves(data, "100mbit") == {"dense fp32": {1234: "dense"},
+                                             "EDGC": {1234: "edgc at 100"}}
+    assert peers.curves(data, "1gbit") == {"dense fp32": {1234: "dense"}}

@@ -47,6 +47,11 @@ class EdgcConfig:
     link_gbps: Optional[float] = knob(None, "bypass: declare the DP all-reduce rate in Gbit/s "
                                             "instead of measuring it", min=0.0,
                                       min_exclusive=True, group="method")
+    link_latency_ms: Optional[float] = knob(None, "bypass: the declared link's latency per "
+                                                  "collective in ms (with --edgc-link-gbps; "
+                                                  "default 0): a measured link's is in every "
+                                                  "record, dp_link_alpha_ms", min=0.0,
+                                            group="method")
     link_window: int = knob(50, "bypass: every this many iterations, refit each measured "
                                 "link from the job's own collectives of the window (their "
                                 "bytes and device-timed durations; no probes) and re-decide "

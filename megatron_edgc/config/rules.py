@@ -33,6 +33,9 @@ def validate_edgc(cfg: "RunConfig", shapes: Optional[Sequence[tuple]] = None) ->
                                                   "optimizer shards it (drop "
                                                   "--use-distributed-optimizer or use "
                                                   "elements)")
+    if e.link_latency_ms is not None and e.link_gbps is None:
+        raise ConfigError("--edgc-link-latency-ms", "declares the latency of a declared "
+                                                    "link: needs --edgc-link-gbps")
     if e.pp_compression != "off" and p.pipeline_model_parallel_size < 2:
         raise ConfigError("--edgc-pp-compression", f"compresses pipeline sends: needs "
                                                    f"--pipeline-model-parallel-size >= 2, got "

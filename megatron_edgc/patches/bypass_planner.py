@@ -4,7 +4,7 @@ setting and link, agreed by every rank that must issue the same collectives
 (:mod:`megatron_edgc.compression.bypass` has the rule).
 
 The link follows the link (issue 44): measured with probes once at start-up (or
-declared, ``--edgc-link-gbps``, and then kept), then every ``window`` iterations refitted
+declared, ``--edgc-link-gbps`` and ``--edgc-link-latency-ms``, and then kept), then every ``window`` iterations refitted
 from the job's own collectives on the group — their bytes and the time the link was busy
 with each, from device stamps read at the flushes (:class:`~megatron_edgc.patches.
 dp_stats.DPSyncStats`), MIN over the group's ranks (the last to arrive waits for nobody):
@@ -79,7 +79,7 @@ class BypassPlanner:
         self.declared = link
         self.link = link          # the dense buckets' link (declared: every group's)
         self.links: dict = {}     # process group -> LinkModel
-        self.window = window if link is None else 0
+        self.window = window      # a declared link is kept; the local work is refitted
         self.hysteresis = hysteresis
         self.explore = explore if self.window else 0
         self.cost_model: Optional[dict] = None   # bucket key -> (a, b) seconds
@@ -108,7 +108,7 @@ class BypassPlanner:
     def timed_links(self) -> dict:
         """``{id(process group): link index}`` of the groups whose collectives are timed
         for the refits (none when the link is declared or never refitted)."""
-        if not self.window:
+        if not self.window or self.declared is not None:
             return {}
         return {id(pg): i for i, (pg, _) in enumerate(self.process_groups())}
 

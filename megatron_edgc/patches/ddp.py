@@ -217,6 +217,7 @@ class DPGradientCompression:
         if self._can_time_links():
             self._timed_links = self.planner.timed_links()
         self.stats.link_gbps = self.link.gbit_per_s
+        self.stats.link_alpha_ms = self.link.alpha_s * 1e3
         for _, old, new, how in refitted:
             self.stats.events.append(
                 f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "

@@ -55,6 +55,7 @@ class DPSyncStats:
     local_s: dict = field(default_factory=dict)
     compressed: bool = False
     link_gbps: float = float("nan")  # the bypass's link rate in use (all-reduce payload)
+    link_alpha_ms: float = float("nan")  # ... and its latency per collective
     events: list = field(default_factory=list)
     #: (link index, bytes, seconds the link was busy with it, dense): each transfer on a
     #: bypass-decided group, filled by :meth:`resolve_all` (the link model's input);
@@ -77,7 +78,7 @@ class DPSyncStats:
         self.predicted_local, self.local_s = {}, {}
         self.explored = False
         self.compressed = False
-        self.link_gbps = float("nan")
+        self.link_gbps = self.link_alpha_ms = float("nan")
         self.events, self.link_busy, self.factor_failures = [], [], []
         self._intervals, self._nonfinite, self._link = [], [], []
 

@@ -78,7 +78,8 @@ class EdgcRuntime:
             self.dp_compression = DPGradientCompression(
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
                 start_iter=e.start_iter, seed=cfg.training.seed, bypass=e.bypass,
-                link=LinkModel.declared(e.link_gbps) if e.link_gbps else None,
+                link=LinkModel.declared(e.link_gbps, (e.link_latency_ms or 0.0) / 1e3)
+                if e.link_gbps else None,
                 factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype,
                 compress_single_replica=e.compress_single_replica,
                 link_window=e.link_window, link_explore=e.link_explore,
@@ -237,11 +238,12 @@ class EdgcRuntime:
         return record
 
     def link_refits(self, iteration: int) -> bool:
-        """Whether the bypass may refit its links before step ``iteration`` (a window
-        boundary of ``--edgc-link-window``): the steps before it are flushed first. The
+        """Whether the bypass may refit its links and local work before step ``iteration``
+        (a window boundary of ``--edgc-link-window``; a declared link is kept, the local
+        work refitted): the steps before it are flushed first. The
         same answer on every rank of the job (the flush is a collective)."""
         e = self.cfg.edgc
-        return e.bypass == "auto" and e.link_gbps is None and e.link_window > 0 and \
+        return e.bypass == "auto" and e.link_window > 0 and \
             iteration > 0 and iteration % e.link_window == 0
 
     def controller_reads(self, iteration: int) -> bool:
@@ -390,7 +392,7 @@ class EdgcRuntime:
                        dp_predicted_cost_ms=st.predicted_cost_s * 1e3)
             if math.isfinite(st.link_gbps):   # the bypass's link in force at this step
                 # and its prices of both choices for every bucket it decided
-                rec.update(dp_link_gbps=st.link_gbps,
+                rec.update(dp_link_gbps=st.link_gbps, dp_link_alpha_ms=st.link_alpha_ms,
                            dp_predicted_dense_ms=st.predicted_dense_s * 1e3,
                            dp_predicted_compressed_ms=st.predicted_compressed_s * 1e3,
                            dp_bypass_explored=st.explored)
