@@ -75,20 +75,20 @@ def test_a_dense_sync_adds_a_residual_once_and_then_nothing():
     wire may scale in its cast (``BucketPlan.scales_in_cast``)."""
     torch.manual_seed(0)
     comp = BucketCompressor([(f"w{i}", s) for i, s in enumerate(SHAPES)], 4, seed=0)
-    assert comp.residual_clear
+    assert comp.state.clear
     grads = [torch.randn(s) for s in SHAPES]
     bufs, step = comp.start(grads)
     comp.finish(step, comp.middle(step, bufs))
     comp.after_step(applied=True)
-    assert not comp.residual_clear
+    assert not comp.state.clear
     residual = {k: g.residual.clone() for k, g in comp.groups.items()}
     assert sum(r.abs().sum() for r in residual.values()) > 0
     dense = [torch.randn(s) for s in SHAPES]
     before = [d.clone() for d in dense]
     comp.absorb_residual(dense)
-    assert not comp.residual_clear     # kept until the step is applied (a skip keeps it)
+    assert not comp.state.clear     # kept until the step is applied (a skip keeps it)
     comp.after_step(applied=True)
-    assert comp.residual_clear
+    assert comp.state.clear
     added = sum((d - b).abs().sum() for d, b in zip(dense, before))
     assert torch.isclose(added, sum(r.abs().sum() for r in residual.values()), rtol=1e-5)
     again = [d.clone() for d in dense]

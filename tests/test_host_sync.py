@@ -155,7 +155,7 @@ def test_a_step_under_a_changed_loss_scale_and_its_skip_make_no_host_sync(grad_d
         comp.absorb_residual(grads())
         comp.after_step(applied=True)
     assert syncs.calls == []
-    assert comp.residual_clear
+    assert comp.state.clear
 
 
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])

@@ -771,13 +771,31 @@ def _dp_residuals(ckpt, iteration: int) -> dict:
     return out
 
 
+def _pp_senders(ckpt, iteration: int) -> dict:
+    """Each rank's pipeline senders' ``(E, Q)`` in its sidecar of ``iteration``, by
+    matrix name (stage 1's; stage 0 sends no backward message)."""
+    import torch
+
+    folder = os.path.join(ckpt, f"iter_{iteration:07d}", "edgc")
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        state = torch.load(os.path.join(folder, name), weights_only=False)
+        pp = state["extensions"].get("pp_compression") or {"senders": {}}
+        out[name] = {m: (e["residual"], e["q"]) for sender in pp["senders"].values()
+                     for m, e in sender["matrices"].items()}
+    return out
+
+
 def test_a_save_before_the_optimizer_step_keeps_the_step_as_a_skip(megatron_lm, tmp_path):
     """Megatron-LM's rerun machine can checkpoint and exit between an iteration's DP sync
     and its optimizer step (core_v0.16.1's ``train_step`` returns early, before the
     plug-in's ``end_step``). EDGC (DP and pipeline), exiting so in iteration 5: the saved
     residuals are those of a job whose optimizer skipped iteration 5 after a finite DP sync
     (a NaN written into a gradient after it), saved after it: every compressed matrix
-    keeps ``M = G + E`` (issue 71: not ``M - P^ Qᵀ``, as if the step had been applied)."""
+    keeps ``M = G + E`` (issue 71: not ``M - P^ Qᵀ``, as if the step had been applied);
+    every pipeline sender holds, bit for bit, what iteration 5 found (issue 81: the
+    rule rolls a sender back to the iteration's start, whether the outcome was a skip or
+    never reported)."""
     guard = ["--no-check-for-nan-in-loss-and-grad"]
     exited, skipped = str(tmp_path / "exited"), str(tmp_path / "skipped")
     out, records = run_injected(megatron_lm, tmp_path, EARLY_EXIT_SCRIPT,
@@ -798,6 +816,14 @@ def test_a_save_before_the_optimizer_step_keeps_the_step_as_a_skip(megatron_lm, 
         for name, e in residuals.items():
             assert e.abs().sum() > 0, (rank, name)
             assert relative_difference(got[rank][name], e) < 1e-6, (rank, name)
+    import torch
+
+    want, got = _pp_senders(skipped, 5), _pp_senders(exited, 4)
+    assert sorted(got) == sorted(want) and sum(len(v) for v in want.values()) == 2
+    for rank, senders in want.items():
+        for name, (e, q) in senders.items():
+            assert e.abs().sum() > 0, (rank, name)
+            assert torch.equal(got[rank][name][0], e) and torch.equal(got[rank][name][1], q)
 
 
 #: fp16 with Megatron-LM's dynamic loss scaler: a scale an 8-iteration job can grow from

@@ -63,6 +63,34 @@ def test_static_pp_rank_trains_with_bytes_from_shapes(small_model_argv, tmp_path
             assert saved["residual"].shape == (N, M) and saved["q"].shape == (M, 4)
 
 
+def test_a_skipped_iteration_leaves_the_pipeline_senders_as_it_found_them(small_model_argv,
+                                                                          tmp_path):
+    """Issue 81: the senders take the iteration's outcome from the report the DP units
+    take. PP 2 x DP 2, static PP rank 4: a NaN written into DP rank 1's gradient after the
+    backward of iteration 5 (its pipeline messages all sent) skips the step; every
+    sender's ``E`` and ``Q`` after it are those of the same job stopped after iteration 4,
+    bit for bit (the rule rolls the sender back to the iteration's start: the code before
+    carried the skipped iteration's last residual into the next)."""
+    argv = small_model_argv + PP2_M4 + ["--edgc-pp-compression", "static",
+                                        "--edgc-pp-rank", "4", "--train-iters", "8"]
+    skipped_metrics = str(tmp_path / "skipped.jsonl")
+    stopped = run_job(argv + ["--exit-interval", "4"], str(tmp_path / "stopped"))
+    skipped = run_job(["--inject-nan-grad-at", "4"] + argv + [
+        "--exit-interval", "5", "--metrics-file", skipped_metrics], str(tmp_path / "skipped"))
+    assert [r["skipped"] for r in read_jsonl(skipped_metrics)] == [False] * 4 + [True]
+    compared = 0
+    for a, b in zip(stopped, skipped):
+        assert a["pp"] == b["pp"] and a["dp"] == b["dp"]
+        for chunk, sender in a["pp_compression"]["senders"].items():
+            for name, want in sender["matrices"].items():
+                got = b["pp_compression"]["senders"][chunk]["matrices"][name]
+                assert want["residual"].abs().sum() > 0
+                assert torch.equal(got["residual"], want["residual"]), (a["pp"], a["dp"])
+                assert torch.equal(got["q"], want["q"]), (a["pp"], a["dp"])
+                compared += 1
+    assert compared == 2   # stage 1's sender on each DP rank
+
+
 def test_epilogue_only_compresses_the_cooldown(small_model_argv, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
     run_job(small_model_argv + PP2_M4 + [

@@ -218,10 +218,10 @@ def test_a_dense_sync_keeps_its_residual_when_the_step_is_skipped():
         assert torch.equal(grads[i], plain[i] + kept[0][j])
     c.after_step(applied=False)
     assert all(torch.equal(g.residual, e) for g, e in zip(c.groups.values(), kept))
-    assert not c.residual_clear
+    assert not c.state.clear
     c.absorb_residual(grads)
     c.after_step(applied=True)
-    assert all(not g.residual.any() for g in c.groups.values()) and c.residual_clear
+    assert all(not g.residual.any() for g in c.groups.values()) and c.state.clear
 
 
 def test_the_slow_hop_keeps_what_a_skipped_step_did_not_apply():

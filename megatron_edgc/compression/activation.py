@@ -1,20 +1,13 @@
-"""Low-rank compression of pipeline activation gradients (EDGC §7).
-
-The backward send from stage s+1 to stage s carries ``[seq, micro_batch, hidden]``,
-viewed as a ``(seq·micro_batch) x hidden`` matrix ``M``. The sender adds the previous
-micro-batch's residual (lazy error propagation), does one warm-started power iteration::
-
-    P = M Q;  P^ = orth(P);  Q = Mᵀ P^
-
-sends ``P^`` and ``Q`` (``(n + m)·r`` elements instead of ``n·m``) and keeps
-``M - P^ Qᵀ`` as the next residual; the receiver rebuilds ``P^ Qᵀ``. No collective is
-involved: sender and receiver only have to agree on the rank (the caller's job).
-
-It is the flat step of one matrix on one rank with no collective
-(:meth:`~megatron_edgc.compression.low_rank_state.LowRankState.local_factors` of a
-:class:`~megatron_edgc.compression.powersgd.BucketCompressor`): the same kernels, the
-same state record and rule (each message settled as applied at once: its receiver uses
-it in the same backward), the same rank growth and checkpoint. Its one temporary of the
+"""Low-rank compression of pipeline activation gradients (EDGC §7): the backward send from
+stage s+1 to stage s, ``[seq, micro_batch, hidden]`` viewed as a ``(seq·micro_batch) x
+hidden`` matrix, is the flat PowerSGD step of one matrix with no collective
+(:meth:`~megatron_edgc.compression.low_rank_state.LowRankState.local_factors`;
+docs/method.md §1 and §7): the sender keeps the residual for the next micro-batch (lazy
+error propagation) and sends ``P^`` and ``Q``, the receiver rebuilds ``P^ Qᵀ``; sender and
+receiver only agree on the rank (the caller's job). The same kernels, state and rule as
+a DP bucket: each message settled at once (its receiver used it in the same backward),
+each iteration by its outcome, rolled back to its start where not applied
+(:meth:`~megatron_edgc.compression.unit_state.UnitState.mark`). Its one temporary of the
 message's size is ``M`` in fp32 (the caller's gradient is left as it was).
 """
 
@@ -25,6 +18,7 @@ from typing import Optional
 import torch
 
 from megatron_edgc.compression.powersgd import BucketCompressor
+from megatron_edgc.compression.unit_state import from_before_issue_71
 
 
 class ActivationGradSender:
@@ -32,13 +26,29 @@ class ActivationGradSender:
     warm-started Q persist across messages, made for the messages' shape."""
 
     def __init__(self, rank: int, seed: int = 0, name: str = "pp-edge"):
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
-        self.rank, self.seed, self.name = rank, seed, name
+        self.seed, self.name = seed, name
         self.compressor: Optional[BucketCompressor] = None
+        self.set_rank(rank)
         #: the loss scale of this iteration's messages (fp16's scaler, float ``[1]`` on the
         #: device; None without one): the residual is kept net of it
         self.loss_scale: Optional[torch.Tensor] = None
+        #: the next message marks the state for the iteration's outcome (an iteration
+        #: begun, :meth:`begin_iteration`; the communicator's senders from their first)
+        self.marks = False
+
+    def begin_iteration(self) -> None:
+        """Before an iteration's schedule, again where it runs again (the first run
+        discarded): a mark still held is rolled back to (an outcome never reported is
+        not applied), and the iteration's first message marks the state anew."""
+        if self.compressor is not None:
+            self.compressor.state.settle_iteration(applied=False)
+        self.marks = True
+
+    def after_step(self, applied: bool) -> None:
+        """The iteration's outcome: its messages stand, or the sender goes back to the
+        iteration's start (:meth:`UnitState.settle_iteration`)."""
+        if self.compressor is not None:
+            self.compressor.state.settle_iteration(applied)
 
     def _group(self):
         groups = self.compressor.groups if self.compressor is not None else {}
@@ -88,6 +98,9 @@ class ActivationGradSender:
         # gradient is read slice by slice instead (ErrorFeedback.blocks)
         mat = mat.clone() if mat.dtype == torch.float32 else mat
         self.prepare(mat.shape[0], m_dim, mat.device)
+        if self.marks:
+            self.compressor.state.mark()
+            self.marks = False
         self.compressor.loss_scale = self.loss_scale
         step = self.compressor.local_factors([mat])
         (key,) = step.p_hat
@@ -103,11 +116,7 @@ class ActivationGradSender:
         """Restore on ``device`` (None: where the state was mapped; :meth:`prepare` moves
         it to the messages' device)."""
         self.rank, self.compressor = state["rank"], None
-        if "matrices" not in state:   # a checkpoint of before issue 71
-            units = state.get("residual_units")
-            state = {"rank": self.rank, "matrices": {} if state.get("q") is None else
-                     {self.name: {"q": state["q"], "residual": state["residual"]}},
-                     "residual_units": None if units is None else float(units)}
+        state = from_before_issue_71(state, self.name)
         saved = state["matrices"].get(self.name)
         if saved is not None:
             self.compressor = BucketCompressor([(self.name, tuple(saved["residual"].shape))],

@@ -1,24 +1,10 @@
 """The PowerSGD step's kernels, written once for the flat, the slow-hop and the pipeline
-compressors (EDGC §1; Vogels et al., NeurIPS 2019).
-
-A step has the same pieces whichever side the shared factor is on:
-
-* the error feedback ``M = G + E``, formed in the gradient buffer, or slice by slice in
-  fp32 from a low-precision one (:class:`ErrorFeedback`);
-* the products ``M B`` or ``Mᵀ B`` over the strided runs of a shape group
-  (:meth:`ErrorFeedback.project`, ``transposed`` says which);
-* the orthonormalization (:func:`~megatron_edgc.compression.orthonormal.orthonormalize`);
-* the second product, the local factor rounded as it goes on the wire, and the residual
-  taken against it, in one pass, under the message's non-finite rule
-  (:meth:`ErrorFeedback.project_and_take`);
-* the packing of a phase's buffers and the split of the summed ones (:class:`WireLayout`,
-  whose :meth:`~WireLayout.bytes` are the byte counts: one object packs and counts);
-* the decompression written over the gradients (:meth:`ErrorFeedback.write_result`);
-* the dense rest copied back (:func:`copy_dense_back`).
-
-The flat bucket compresses ``M ≈ P^ Qᵀ`` with ``P = M Q`` (the rows' side); a shard of
-the slow hop ``M ≈ Q P^ᵀ`` with ``P = Mᵀ Q`` (the columns' side); the pipeline's sender is
-the flat step of one matrix with no collective.
+compressors (docs/method.md §1): the error feedback ``M = G + s E`` (:class:`ErrorFeedback`,
+slice by slice in fp32 from a low-precision buffer), the products over a shape group's
+strided runs, the second product with the residual taken in the same pass under the
+message's non-finite rule (:meth:`ErrorFeedback.project_and_take`), the packing and
+byte counts of a phase (:class:`WireLayout`), the decompression and the dense rest copied
+back.
 """
 
 from __future__ import annotations

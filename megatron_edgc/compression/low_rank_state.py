@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, Step, dtype_bytes,
-                                               resized_warm_start, split_factors, to_device)
+                                               split_factors, to_device)
 from megatron_edgc.compression.matrices import is_compressible
 from megatron_edgc.compression.unit_state import UnitState
 
@@ -70,11 +70,6 @@ class LowRankState:
         """Group key -> :class:`ShapeGroup` (the state's)."""
         return self.state.groups
 
-    @property
-    def residual_clear(self) -> bool:
-        """Every residual is zero: a dense sync has nothing to add (scales in its cast)."""
-        return self.state.clear
-
     # ------------------------------------------------------------------ planning
 
     def rank_of_shape(self, n: int, m: int) -> int:
@@ -114,7 +109,9 @@ class LowRankState:
 
     def set_rank(self, rank: int, shape_ranks: Optional[dict] = None) -> None:
         """Change the rank (``shape_ranks``: per matrix shape ``(n, m)``, overriding
-        ``rank``): Q loses trailing columns or gains seeded ones; E is kept."""
+        ``rank``): each matrix's ``E`` moves with it (to the pending residuals where it
+        goes dense), ``Q`` loses trailing columns or gains seeded ones
+        (:meth:`UnitState.regroup`, :meth:`UnitState.resize_warm_starts`)."""
         shape_ranks = {tuple(k): int(v) for k, v in (shape_ranks or {}).items()}
         if rank < 1 or any(v < 1 for v in shape_ranks.values()):
             raise ValueError(f"rank must be >= 1, got {rank}, {shape_ranks}")
@@ -123,10 +120,7 @@ class LowRankState:
         self.rank = rank
         self.shape_ranks = shape_ranks
         self._plan()
-        for g in self.groups.values():
-            if g.q is not None:
-                g.q = resized_warm_start(g.q, self._rank_for(g),
-                                         lambda tag, cols, g=g: self._seeded(g, tag, cols))
+        self.state.resize_warm_starts(self._rank_for, self._seeded)
 
     def prepare(self, device=None) -> None:
         """Allocate the warm start and the residual of every group that has none, outside
@@ -161,7 +155,7 @@ class LowRankState:
         bufs, step = self.start(grads)
         self.middle(step, bufs)
         for key, g in self.groups.items():
-            g.q = torch.where(step.kept[key], g.q, step.q_local[key])
+            self.state.next_warm_start(g, step.q_local[key], step.kept[key])
         self.after_step(applied=True)
         return step
 
@@ -236,7 +230,7 @@ class LowRankState:
         for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
             p_hat = step.p_hat[key]
             self.ef.write_result(g, step.views[key], (p_hat, q) if transposed else (q, p_hat))
-            g.q = torch.where(bad, g.q, q)
+            self.state.next_warm_start(g, q, bad)
             if self.track_spectrum:
                 self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
             step.views[key] = None
@@ -298,10 +292,7 @@ class LowRankState:
         compressed step. ``scale``: the residuals' factor into the gradients' units (a
         sync that scales after this passes the inverse)."""
         assert len(grads) == len(self.entries)
-        clear = self.state.clear and not self.state.pending
-        self.state.begin(self.loss_scale)
-        if clear:
-            self.state.clear = True
+        if not self.state.begin(self.loss_scale, dense=True):
             return
         for g in self.groups.values():
             if g.residual is None:
@@ -331,8 +322,6 @@ class LowRankState:
         shape_ranks = {(n, m): r for n, m, r in state.get("shape_ranks", [])}
         self.set_rank(state["rank"], shape_ranks)
         dev = device if device is not None else self.device
-        if "pending" not in state:   # a checkpoint of before issue 71
-            state = dict(state, pending=state.get("pending_flush", {}))
         mismatched = self.state.load_state_dict(state, self._q_shape, dev, self.ef_dtype)
         self.spectrum = {(n, m): [torch.tensor(total, dtype=torch.float64, device=dev),
                                   cols.to(dev, torch.float64, copy=True),

@@ -1,74 +1,13 @@
-"""PowerSGD low-rank compression with error feedback (EDGC §1; Vogels et al., NeurIPS 2019).
+"""PowerSGD low-rank compression with error feedback of one DP bucket (EDGC §1; Vogels et
+al., NeurIPS 2019): the step and its reasons are in docs/method.md §1 ("One step, as the
+code runs it", bf16 buffers and factors, the step at its floor).
 
-Pure tensors in and out: a :class:`BucketCompressor` turns one gradient bucket into the
-buffers a data-parallel all-reduce (SUM) must carry and rebuilds the gradient from the
-reduced buffers. Whoever drives it owns the collectives (``patches/ddp.py`` on the real DP
-group; the tests simulate DP ranks in one process).
-
-One step for a bucket, on every DP rank ``i``::
-
-    G_i += s E_i                        error feedback, formed in place: the gradient
-                                        buffer holds M_i = G_i + s E_i for the step (s:
-                                        the loss scale, 1 without one; E is net of it)
-    P_i  = M_i Q                        Q warm-started; first Q a seeded Gaussian, same on all
-    [P | dense | flag]  --SUM-->        one collective: all P of the bucket, the
-                                        uncompressed rest (biases, norms, small matrices)
-                                        and a non-finite flag
-    P^   = orth(sum P)                  batched shifted CholeskyQR (:func:`orthonormalize`)
-    Q_i  = M_i^T P^
-    E_i  = (M_i - P^ Q_i^T)/s           what the shared basis missed of this rank's M_i,
-                                        taken in the same pass over M_i (where the first
-                                        SUM's flag is clear and Q_i finite); the step's
-                                        outcome settles it (compression/unit_state.py)
-    [Q]  --SUM-->                       one collective: all Q of the bucket
-    G_i  = P^ (sum Q)^T                 ≈ sum_i M_i, identical on every rank
-    Q    = sum Q                        warm start for the next step
-
-Memory: the step makes no copy of the gradients. ``M`` is formed in the gradient buffer
-(which the step overwrites anyway); ``E`` is read when ``M`` is formed and written once,
-in the pass of the second product, where the new residual is computed in the gradient
-buffer (or a workspace slice) and selected into ``E``; then ``P^ Qᵀ`` is written over
-the buffer. The matrices of a shape group are addressed as strided ``[k, n, m]``
-views of the gradient buffer (:func:`strided_runs`: equally spaced matrices, as in
-Megatron's buffer where every layer has the same layout, make one view), so every product
-is one batched call per shape group, with no ``[k, n, m]`` temporary. What a step
-allocates is the factors (``P``, ``P^``, ``Q``: ``k (n + m) r`` each), the collective
-buffers and ``[k, r, r]`` Gram matrices (``tests/test_powersgd.py`` measures it).
-
-Gradients in bf16 (``--grad-reduce-in-bf16``) keep ``G`` in their buffer until the end:
-the two products form ``M = float(G) + E`` in fp32 slices of a kept workspace of at most
-:attr:`workspace_bytes` (the second takes the residual as it goes; the end writes
-``P^ (sum Q)^T`` without forming ``M``), so the products and the residual are the fp32
-ones and only the result written back is rounded to bf16. Conservation then holds to
-that one rounding: ``Σ_i E_i + Ĝ = Σ_i M_i`` up to ``|Ĝ - M^| <= 2⁻⁸ |M^|`` element-wise
-(bf16's unit roundoff; fp32 rounding apart).
-
-With ``factor_dtype=torch.bfloat16`` the factors travel in bf16 (half the bytes): ``P``
-and ``Q`` are bf16 collectives, the dense rest and the flag an fp32 one of their own (the
-flag rides with ``P`` in a bucket without a dense rest), and all math stays fp32. Each
-rank's residual is taken against the bf16-rounded ``Q_i`` it actually sent, so its own
-rounding is fed back (only the rounding inside the SUM is not).
-
-Nothing in a step waits for the device (no ``.item()``, no branch on a tensor): under
-``overlap_grad_reduce`` the step runs inside backward, where a host sync would stall the
-queueing of backward kernels. The non-finite flag (1 where this rank's ``P`` — after the
-cast to the factor dtype, so a bf16 overflow counts — or dense rest holds a NaN/Inf) is
-written into the buffer on the device, and after the SUM every rank holds the same count,
-so every rank runs the same steps and issues the same collectives. Where the count is
-non-zero the step still runs to the end, but the decompressed gradients are NaN (the
-summed dense rest is non-finite already) — the non-finite gradient Megatron's optimizer
-acts on, as it would without compression — and ``E`` and ``Q`` keep their values from
-before the step (selected with ``torch.where``, one pass over ``E``).
-
-The residual is the local one of Vogels et al. (Algorithm 1): ``sum_i E_i = sum_i M_i -
-M^``, so nothing is lost, and at full rank every ``E_i`` is zero. (PyTorch's
-``powerSGD_hook`` keeps ``M_i - mean``, whose per-rank part random-walks at full rank.)
-
-Matrices of equal shape are batched (one call per shape and run of equally spaced
-matrices; no per-matrix loop, no ``torch.linalg.qr``). With ``ef_dtype=torch.bfloat16``
-the residual is kept in bf16 (half the state; its rounding is not fed back). A matrix is
-compressed at rank ``r`` only when ``min(n, m) > r`` and ``(n + m) r · min_rate <= n m``; it then sends
-``(n + m) r`` instead of ``n m`` elements.
+Pure tensors in and out: a :class:`BucketCompressor` turns a bucket into the buffers its
+two SUM collectives carry and rebuilds the gradient from the reduced ones; whoever drives
+it issues the collectives (``patches/ddp.py``; the tests simulate DP ranks). No copy of
+the gradients (``M`` is formed in the gradient buffer, or in fp32 slices of a bounded
+workspace from bf16 buffers), one batched call per shape group and run of equally spaced
+matrices, and no host sync: a non-finite value is a flag on the device.
 """
 
 from __future__ import annotations

@@ -1,44 +1,6 @@
-"""PowerSGD on one rank's shard of a bucket, across distributed-optimizer instances, with
-the shared factor on the columns' side (EDGC on the slow hop, issue 35).
-
-With Megatron's partial distributed optimizer each bucket is reduce-scattered inside an
-instance of ``s`` ranks (the fast hop); rank ``k`` then holds rows ``b`` of the matrices
-its shard cuts (:func:`~megatron_edgc.compression.shard.shard_pieces`), summed over its
-instance ``t``: ``M_{b,t}``. Compressing ``M`` by its rows' side would need the rows'
-factor ``P = M Q`` of every block gathered to orthonormalize it; on the columns' side
-(PowerSGD of ``Mᵀ``) the factor to orthonormalize is ``m × r``, a sum over the blocks,
-and the rows' factor stays where the rows are. One step, per bucket (``L = Σ_j m_j r``
-over the bucket's compressed matrices, padded to a multiple of ``s``)::
-
-    M_b  = G_b + E_b                   error feedback, in the gradient buffer
-    P_b  = M_bᵀ Q_b                    Q_b: this rank's rows of the matrix's warm start
-    [L | flag] --reduce-scatter intra--> each P_b at its matrix's place (zeros elsewhere):
-    slice --SUM inter-->                 1/s of P = Σ_t Σ_b P_b per rank across (slow hop)
-    slice --all-gather intra-->        every rank: P of every matrix
-    P^   = orth(P)                     the matrices it cuts (m × r: batched CholeskyQR3)
-    Q_b' = M_b P^                      its rows; [Q_b' | dense | flag] --SUM inter-->
-    E_b  = M_b - Q_b' P^ᵀ              rows b of the instance's residual M_t - M_t P^ P^ᵀ
-    G_b  = (Σ_t Q_b') P^ᵀ              ≈ rows b of Σ_t M_t;  Q_b = Σ_t Q_b' (warm start)
-
-The residual is Vogels et al.'s local one with the instance as the worker: ``Σ_t E_t =
-M - M P^ P^ᵀ`` (nothing is lost), and at full rank every ``E`` is zero. Across instances a
-rank sends ``L / s + Σ_b n_b r`` factor elements (plus its shard's dense rest), so an
-instance sends ``(n + m) r`` per matrix whatever ``s``; the math (``M_bᵀ Q_b``,
-``M_b P^``, the residual, the decompression), the error feedback and the warm start are
-this rank's rows only, 1/s of the bucket's; the orthonormalization is of ``m × r``
-factors (``14 m r²`` per matrix cut, beside ``8 n_b m r``). Inside the instance: one
-reduce-scatter and one all-gather of ``[L]``; across instances: the slice, then one
-all-reduce of the second phase (two with bf16 factors and a dense rest, as flat).
-
-Flag: each rank's flag (0 or 1) for a non-finite value in its dense rest rides in a slot
-after ``P``, and a NaN in any row block makes ``P`` itself non-finite; both reach every
-rank through the all-gather, so a non-finite gradient anywhere in a bucket makes every
-rank of the DP group keep that bucket's ``E`` and ``Q_b`` bit for bit, as a flat bucket
-does (the optimizer sees the NaN: the shards holding it, or all of them where ``P`` was
-non-finite, decompress NaN). The second phase's flag adds an overflow of the row factor
-``Q_b'`` alone (finite inputs, a product past the factor dtype's range): that is decided
-by the owners of that shard together, the other shards go on. A bucket with no
-compressed matrix skips the first phase: its shards' dense rests are all it sends.
+"""PowerSGD on one rank's shard of a bucket across distributed-optimizer instances, the
+shared factor on the columns' side (EDGC on the slow hop, issue 35): the step, its
+residual and its flags are in docs/method.md §1 ("The slow hop").
 
 Pure tensors, the contract of :class:`~megatron_edgc.compression.low_rank_state.LowRankState`:
 ``start`` gives ``[[L | flag]]`` for the instance's reduce-scatter, :meth:`ShardCompressor.to_send`

@@ -12,8 +12,16 @@ residuals and records what its message carried → :meth:`UnitState.settle`. The
 step is applied only where the optimizer reported it; otherwise (a skip, a non-finite
 step, an outcome never reported before a save or the next step) what the message carried
 of ``E`` is given back. A matrix whose part of the message was not finite never changed
-its ``E``. The pipeline's sender settles each message as applied at once (its receiver
-used it in the same backward).
+its ``E``.
+
+The pipeline's sender settles each message at once (its receiver used it in the same
+backward) and its iteration by the same rule: :meth:`UnitState.mark` keeps its state at
+the iteration's start, and a step not applied (a skip, an outcome never reported, a
+schedule run again for the same iteration) rolls it back there (:meth:`settle_iteration`).
+Not a give-back: an activation gradient belongs to its micro-batch's backward, and a
+skipped iteration's were formed on weights the next iteration no longer has; rolled back,
+the sender's next message carries what the last applied iteration left, as if the skipped
+one had never run.
 """
 
 from __future__ import annotations
@@ -22,7 +30,20 @@ from typing import Optional
 
 import torch
 
-from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup
+from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup, resized_warm_start
+
+
+def from_before_issue_71(state: dict, name: str = "") -> dict:
+    """A unit's checkpoint of before issue 71 in today's form, the one conversion: the
+    pending residuals under their old key, a pipeline sender's one matrix (``q``,
+    ``residual``) under ``name``; ``residual_units`` (the loss scale ``E`` was kept in)
+    stays for :meth:`UnitState.load_state_dict` to divide out."""
+    if "matrices" not in state:   # the pipeline's sender
+        state = dict(state, matrices={} if state.get("q") is None else
+                     {name: {"q": state["q"], "residual": state["residual"]}})
+    if "pending" not in state:
+        state = dict(state, pending=state.get("pending_flush", {}))
+    return state
 
 
 class UnitState:
@@ -32,23 +53,40 @@ class UnitState:
         self.ef = ef
         self.groups: dict = {}                      # group key -> ShapeGroup (q, residual)
         self.pending: dict[str, torch.Tensor] = {}  # name -> residual of a matrix gone dense
-        #: every residual and pending one is zero (none taken since the last applied dense
-        #: message): a dense sync then has nothing to add, and scales in its cast
-        self.clear = True
+        #: every residual is zero (none taken since the last applied dense message)
+        self._zero = True
         # the step in flight: (group, kept [k,1,1], A, B) of each E = (M - A Bᵀ)/s taken;
         # whether a dense message carried every residual; the pending ones it carried
         self._factors: list = []
         self._residuals = False
         self._pending: list = []
+        #: the pipeline's sender: its groups' ``(Q, E)`` at the iteration's start (mark)
+        self._mark: Optional[dict] = None
 
     # ------------------------------------------------------------------ the lifecycle
 
-    def begin(self, loss_scale: Optional[torch.Tensor]) -> None:
+    def begin(self, loss_scale: Optional[torch.Tensor], dense: bool = False) -> bool:
         """A step at ``loss_scale`` (float ``[1]`` on the device, None without a scaler)
-        begins; a step still in flight was never reported: settled by the rule."""
+        begins; a step still in flight was never reported: settled by the rule first.
+        ``dense``: a dense message that will carry every residual; returns whether it has
+        any to carry (none: the state stays :attr:`clear`)."""
+        clear = self.clear
         self.settle(applied=False)
-        self.clear = False
+        self._zero = dense and clear
         self.ef.begin(loss_scale)
+        return not clear
+
+    @property
+    def clear(self) -> bool:
+        """The one "clear" rule: no residual and no pending one holds anything (none taken
+        since the last applied dense message): a dense sync then has nothing to add, and
+        scales in its cast."""
+        return self._zero and not self.pending
+
+    def next_warm_start(self, g: ShapeGroup, q: torch.Tensor, keep: torch.Tensor) -> None:
+        """Group ``g``'s warm start for the next step: the step's ``q`` where it is finite,
+        the one before where ``keep`` (``[k, 1, 1]`` or ``[1, 1, 1]``, on the device)."""
+        g.q = torch.where(keep, g.q, q)
 
     def carried_factors(self, g: ShapeGroup, kept: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor) -> None:
@@ -79,29 +117,59 @@ class UnitState:
                     if g.residual is not None:
                         g.residual.zero_()
                 self.pending = {}
-                self.clear = True
+                self._zero = True
             for name in pending:
                 self.pending.pop(name, None)
             return
-        inv = self.ef.inv_scale   # the settled step's: begin() sets the next one's after
         for g, kept, a, b in factors:
-            a = torch.where(kept, 0.0, a if inv is None else a * inv)
-            b = torch.where(kept, 0.0, b).transpose(1, 2)   # a kept matrix's may be NaN
-            if g.residual.dtype == torch.float32:
-                g.residual.baddbmm_(a, b)
+            self._give_back(g.residual, g, kept, a, b)
+
+    def _give_back(self, residual: torch.Tensor, g: ShapeGroup, kept: torch.Tensor,
+                   a: torch.Tensor, b: torch.Tensor) -> None:
+        """``residual`` (group ``g``'s, or a copy) += ``A Bᵀ`` in the gradients' units,
+        ``kept`` matrices left as they are (their factors may be NaN)."""
+        inv = self.ef.inv_scale   # the settled step's: begin() sets the next one's after
+        a = torch.where(kept, 0.0, a if inv is None else a * inv)
+        b = torch.where(kept, 0.0, b).transpose(1, 2)
+        if residual.dtype == torch.float32:
+            residual.baddbmm_(a, b)
+            return
+        for lo, hi in self.ef.slices(0, len(g.indices), g, 2):
+            residual[lo:hi].copy_(residual[lo:hi].float().baddbmm_(a[lo:hi], b[lo:hi]))
+
+    def mark(self) -> None:
+        """The pipeline's sender: its state at an iteration's start, before its first
+        message (module docstring); a mark still held (an outcome never reported, the
+        schedule run again) is rolled back to first."""
+        self.settle_iteration(applied=False)
+        self._mark = {tuple(g.names): (g.q.clone(), g.residual.clone())
+                      for g in self.groups.values() if g.q is not None}
+
+    def settle_iteration(self, applied: bool) -> None:
+        """The iteration's outcome for a unit that :meth:`mark` ed its start: applied, its
+        messages stand; not applied, ``E`` and ``Q`` go back to the mark (``Q`` kept where
+        a rank change since resized it: a warm start at the new rank)."""
+        mark, self._mark = self._mark, None
+        if mark is None or applied:
+            return
+        for g in self.groups.values():
+            saved = mark.get(tuple(g.names))
+            if saved is None or g.residual is None:
                 continue
-            for lo, hi in self.ef.slices(0, len(g.indices), g, 2):
-                e = g.residual[lo:hi].float().baddbmm_(a[lo:hi], b[lo:hi])
-                g.residual[lo:hi].copy_(e)
+            q, e = saved
+            g.residual.copy_(e)
+            if g.q.shape == q.shape:
+                g.q.copy_(q)
 
     # ------------------------------------------------------------------ groups
 
     def regroup(self, groups: dict) -> None:
         """New shape groups (a rank change): each matrix's ``Q`` and ``E`` move with it.
-        A group of the same matrices keeps its tensors; one whose matrices were all
-        compressed is stacked from theirs; a matrix no longer in a carried group hands its
-        residual to :attr:`pending` (taken back by :meth:`init_group` if it is compressed
-        again). A step in flight is settled first, by the rule."""
+        A group of the same matrices keeps its tensors (groups are keyed by shape, and a
+        shape is compressed all or nothing: no other group can form); a matrix no longer
+        in a carried group hands its residual to :attr:`pending` (taken back by
+        :meth:`init_group` if it is compressed again). A step in flight is settled first,
+        by the rule."""
         self.settle(applied=False)
         old = {name: (g, j) for g in self.groups.values() for j, name in enumerate(g.names)}
         previous = {tuple(g.names): g for g in self.groups.values()}
@@ -109,16 +177,19 @@ class UnitState:
             same = previous.get(tuple(g.names))
             if same is not None:
                 g.q, g.residual = same.q, same.residual
-            elif g.names and all(name in old and old[name][0].q is not None
-                                 for name in g.names):
-                g.q = torch.stack([old[name][0].q[old[name][1]] for name in g.names])
-                g.residual = torch.stack([old[name][0].residual[old[name][1]]
-                                          for name in g.names])
         carried = {name for g in groups.values() if g.q is not None for name in g.names}
         for name, (og, j) in old.items():
             if og.residual is not None and name not in carried:
                 self.pending[name] = og.residual[j].clone()
         self.groups = groups
+
+    def resize_warm_starts(self, rank_of, seeded) -> None:
+        """After a rank change: each group's ``Q`` at its rank ``rank_of(g)``, trailing
+        columns dropped or ``seeded(g, tag, cols)`` ones appended (``E`` is rank-free)."""
+        for g in self.groups.values():
+            if g.q is not None:
+                g.q = resized_warm_start(g.q, rank_of(g),
+                                         lambda tag, cols, g=g: seeded(g, tag, cols))
 
     def init_group(self, g: ShapeGroup, q: torch.Tensor, dtype: torch.dtype) -> None:
         """A group's first state: warm start ``q``, residual zero but for the pending
@@ -146,26 +217,32 @@ class UnitState:
 
     def state_dict(self) -> dict:
         """``{"matrices": {name: {"q", "residual"}}, "pending": {name: residual}}`` on the
-        host, ``E`` in the gradients' units. An outcome not reported by now is settled by
-        the rule first (a save after a step the optimizer never reached)."""
-        self.settle(applied=False)
+        host, ``E`` in the gradients' units: the state as the rule leaves it if the step
+        in flight is not applied (a save after a step the optimizer never reached), read
+        without changing it (the outcome may still come)."""
         out: dict = {"matrices": {}, "pending": {k: v.cpu().clone()
                                                  for k, v in self.pending.items()}}
+        given = {}   # group -> its residual with the step in flight given back, a copy
+        for g, kept, a, b in self._factors:
+            if id(g) not in given:
+                given[id(g)] = g.residual.clone()
+            self._give_back(given[id(g)], g, kept, a, b)
         for g in self.groups.values():
             if g.q is None:
                 continue
+            q, e = (self._mark or {}).get(tuple(g.names), (g.q, given.get(id(g), g.residual)))
             for j, name in enumerate(g.names):
-                out["matrices"][name] = {"q": g.q[j].cpu().clone(),
-                                         "residual": g.residual[j].cpu().clone()}
+                out["matrices"][name] = {"q": q[j].cpu().clone(), "residual": e[j].cpu().clone()}
         return out
 
     def load_state_dict(self, state: dict, q_shape, device, ef_dtype: torch.dtype) -> list:
         """Restore :meth:`state_dict`'s (``q_shape(g)``: one matrix's warm-start shape in
         group ``g``) on ``device``; returns the names whose saved state did not fit (their
-        group starts fresh). A checkpoint of before issue 71 kept ``E`` in the units of a
-        loss scale (``residual_units``): converted here."""
-        self._factors, self._residuals, self._pending = [], False, []
-        self.clear = False
+        group starts fresh). A checkpoint of before issue 71 (:func:`from_before_issue_71`)
+        kept ``E`` in the units of a loss scale (``residual_units``): divided out here."""
+        state = from_before_issue_71(state)
+        self._factors, self._residuals, self._pending, self._mark = [], False, [], None
+        self._zero = False
         units = state.get("residual_units")
         factor = None if units is None else 1.0 / float(units)
 

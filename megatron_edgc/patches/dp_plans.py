@@ -89,7 +89,7 @@ class BucketPlan:
     def scales_in_cast(self, dense: bool) -> bool:
         """Whether a sync of this bucket scales its gradients in the cast to the dense wire
         (:meth:`dense`, nothing to absorb) rather than in place before it."""
-        return (dense and not self.reduction.slow_hop and self.compressor.residual_clear
+        return (dense and not self.reduction.slow_hop and self.compressor.state.clear
                 and self.bucket.grad_data.dtype != self.compressor.dense_dtype)
 
     def dense(self, scale: float = 1.0) -> Strategy:

@@ -295,9 +295,19 @@ class CompressingP2PCommunicator(_P2PBase):
                 sender.set_rank(rank)
 
     def begin_iteration(self) -> None:
+        """Before each run of an iteration's schedule: the message counters restart, and
+        each sender rolls back a mark still held and marks anew (the one rule)."""
         self.send_count = self.recv_count = 0
         self.stats.reset()
         self._received = []
+        for sender in self.senders.values():
+            sender.begin_iteration()
+
+    def after_step(self, applied: bool) -> None:
+        """The iteration's outcome, from the report the DP units take: a step not applied
+        rolls every sender back to the iteration's start (docs/reliability.md)."""
+        for sender in self.senders.values():
+            sender.after_step(applied)
 
     def messages_per_iteration(self, receiver: int) -> int:
         """Backward messages per iteration on the edge into stage ``receiver``."""
@@ -340,8 +350,10 @@ class CompressingP2PCommunicator(_P2PBase):
             self.senders[chunk].prepare(n, m, device)
 
     def _new_sender(self, chunk: int, rank: int) -> ActivationGradSender:
-        return ActivationGradSender(rank, seed=self.seed,
-                                    name=f"pp-stage{self.stage}-chunk{chunk}")
+        sender = ActivationGradSender(rank, seed=self.seed,
+                                      name=f"pp-stage{self.stage}-chunk{chunk}")
+        sender.marks = True   # driven iteration by iteration from its first
+        return sender
 
     def _header(self, r: int, n: int, m: int, k: int, device) -> torch.Tensor:
         """``[MAGIC, table version, r, n, m, k]`` in fp32, made on ``device`` (a tensor from

@@ -220,6 +220,8 @@ class EdgcRuntime:
         applied = not record.get("skipped")
         if self.dp_compression is not None:   # a skip loses nothing (docs/reliability.md)
             self.dp_compression.after_step(applied)
+        if self.p2p is not None:              # ... nor moves the pipeline's senders
+            self.p2p.after_step(applied)
         if self._step_scale is not None:
             record["loss_scale"] = self._step_scale
             changed = (self.optimizer.get_loss_scale() != self._step_scale).long().sum()
