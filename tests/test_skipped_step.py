@@ -94,7 +94,7 @@ def test_a_constant_loss_scale_is_bit_identical_to_none():
 
 
 def test_pipeline_residual_follows_the_loss_scale(monkeypatch):
-    """The pipeline's sender (EDGC §7) keeps its residual in the units it was formed at."""
+    """The pipeline's sender (EDGC §7) keeps its residual net of the loss scale, as a DP bucket."""
     gen = torch.Generator().manual_seed(0)
     msgs = [torch.randn(64, 32, generator=gen) @ torch.diag(torch.logspace(0, -2, 32))
             for _ in range(len(CHANGING))]

@@ -1,18 +1,9 @@
-"""Pay only when it pays: send a bucket dense when compressing it costs more time than the
-bytes it saves (issue 7 §5; EDGC.md leaves it open, the paper assumes a slow link).
-
-A bucket's compressed sync is its collectives (``[P | dense rest | flag]``, or ``[P]`` and
-``[dense rest | flag]`` where they travel in different dtypes, then ``Q``) plus the
-compression math (``P = MQ``, orthonormalization, ``Q = MᵀP̂``, ``P̂Qᵀ``, the residual).
-Its dense sync is one all-reduce of the whole bucket in the dense wire dtype. With an
-alpha-beta link ``t(b) = α + b·β`` measured on the DP group, compression pays when
-
-    t(dense) > Σ t(collective) + compress + decompress time.
-
-The same prices make the budget controller's time budget (one cost model).
-
-The decision is taken from figures reduced (MAX) over the DP group, so every replica
-sends the same way; see :class:`megatron_edgc.patches.ddp.DPGradientCompression`.
+"""Pay only when it pays (docs/running.md, "Pay only when it pays"): a bucket goes dense when
+its compressed sync, each collective over an alpha-beta link ``t(b) = α + b·β`` plus the
+compression math, is predicted slower than one all-reduce of the whole bucket in the
+dense wire dtype. The same prices make the budget controller's time budget. The figures
+are reduced (MAX) over the DP group, so every replica decides alike
+(:mod:`megatron_edgc.patches.bypass_planner` decides).
 """
 
 from __future__ import annotations

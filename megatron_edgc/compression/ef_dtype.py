@@ -1,20 +1,11 @@
-"""``--edgc-ef-dtype auto``: the error-feedback residual's dtype chosen per device from a
-measurement at start-up.
-
-A bf16 residual halves the state kept between steps (EDGC §1's error feedback), and
-costs nothing else where the device's bf16 elementwise kernels run at memory speed (a GPU:
-half the residual's bytes). Where they do not (a CPU converts bf16 in software: the
-error-feedback round trip measured 1.3–1.6× fp32's on an AMD EPYC, the whole compressed
-step 1.75× on an Intel Xeon, BENCHMARKS.md "The error feedback's dtype per device"), it
-costs time every step and saves only host memory, which a host has. So ``auto`` times the
-round trip the step does on the residual — ``M = G + E`` formed (``form``), then the
-local factor and ``E = M − A Bᵀ`` taken in one pass (``project_and_take``, at rank 4:
-its product is not what is compared; :class:`~megatron_edgc.compression.kernels.ErrorFeedback`) — on
-the model's largest matrices, in both dtypes, and keeps bf16 where it costs at most
-:data:`BF16_MAX_COST` of fp32's for the device's kind: on a GPU, whose memory the state
-competes for, up to 2× (the H200's bf16 step cost 2.4 ms more of a 3.4 s iteration at
-12.1B, issue 50; a GPU without native bf16 falls beyond). On the host the measurements
-above decide once: fp32, not timed per run.
+"""``--edgc-ef-dtype auto``: the error-feedback residual's dtype per device, from a
+measurement at start-up (docs/method.md §8, "bf16 error feedback"): the round trip the
+step does on the residual (``M = G + E`` formed, then the local factor and ``E = M − A
+Bᵀ`` in one pass, :class:`~megatron_edgc.compression.kernels.ErrorFeedback`) timed on the
+model's largest matrices in both dtypes; bf16 where it costs at most
+:data:`BF16_MAX_COST` of fp32's on a GPU (its memory is worth it); on the host fp32,
+untimed (CPUs convert bf16 in software: BENCHMARKS.md "The error feedback's dtype per
+device").
 """
 
 from __future__ import annotations

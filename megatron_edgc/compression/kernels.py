@@ -201,20 +201,12 @@ def copy_dense_back(grads: Sequence[torch.Tensor], dense_indices: Sequence[int],
 
 class ErrorFeedback:
     """Error feedback in the gradient buffer, and the products and the end of a step that
-    read ``M`` through it.
-
-    ``E`` is kept in the gradients' own units, net of any loss scale (docs/method.md,
-    "Error feedback under a loss scale"): a step at scale ``s`` reads ``M = G + s·E`` and
-    takes ``E = (M - A Bᵀ) / s``, so ``E`` means the same whatever the scale or the
-    precision of the run that reads it. Without a scaler ``s`` is 1 and neither product
-    by it is made.
-
-    fp32 gradient runs hold ``M`` from :meth:`form` to :meth:`project_and_take`, then the
-    residual until :meth:`write_result`. Runs in another dtype (bf16 and fp16 buffers)
-    keep ``G``; :meth:`blocks` forms ``M = float(G) + s·E`` per slice in the kept
-    workspace (:func:`scratch`), once per product — twice a step — so products and
-    residual are the fp32 ones and only the result written back is rounded. A residual in
-    another dtype than fp32 (``ef_dtype``) is cast per slice likewise.
+    read ``M`` through it: ``M = G + s·E`` read, ``E = (M - A Bᵀ) / s`` taken (``E`` net
+    of the loss scale ``s``; docs/method.md §1). fp32 buffers hold ``M`` from :meth:`form`
+    to :meth:`project_and_take`, then the residual until :meth:`write_result`; bf16 and
+    fp16 buffers keep ``G``, and :meth:`blocks` forms ``M`` in fp32 per slice of the kept
+    workspace (:func:`scratch`), once per product; a residual in another dtype is cast
+    per slice likewise.
     """
 
     def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):

@@ -168,15 +168,11 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
        the error feedback keeps what it misses. Chosen on the device; ``stood_in``, when given,
        gets the bool ``[k]`` of those matrices.
 
-    Flops over the ``n`` rows: two Grams and three ``[n, r] x [r, r]`` products, all in
-    fp64 (``4 n r²`` + ``6 n r²``; the fp32 Gram CholeskyQR3 of before issue 56 did
-    ``16 n r²`` in fp32), small beside the step's ``8 n m r``; the rest is ``O(r³)``.
-    Temporaries: two ``[k, n, r]`` in fp64 (issue 64: the products were fp32 before,
-    which forced TF32 rounds to 10 bits); their cost, measured on an H200 at GPT-2
-    medium's shapes, r64: +1.3 to +1.8 ms a step, 1.10-1.14x (BENCHMARKS.md "GPU kernels"). Non-finite input gives non-finite
-    output (the step's non-finite flag handles it). ``trace(stage, x)``, when given, sees
-    ``x`` after each of the five stages (a replay's view: ``scripts/replay_step.py``;
-    stage 2's ``x₂`` is formed for it alone).
+    Over the ``n`` rows: two Grams and three ``[n, r] x [r, r]`` products in fp64, small
+    beside the step's ``8 n m r``; two ``[k, n, r]`` fp64 temporaries (docs/method.md §8,
+    "The step at its floor", has their cost). Non-finite input gives non-finite output
+    (the step's flag handles it). ``trace(stage, x)``, when given, sees ``x`` after each
+    stage (``scripts/replay_step.py``).
     """
     squeeze = p.dim() == 2
     x = p.unsqueeze(0) if squeeze else p

@@ -1,19 +1,9 @@
-"""The matrices in one rank's shard of a DDP bucket (EDGC on the slow hop).
-
-With Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances``)
-each bucket is first reduce-scattered inside an instance: rank ``k`` of the instance then
-owns the contiguous range ``[k·L/s, (k+1)·L/s)`` of the bucket, summed over the instance,
-and all-reduces only that range across instances. A range cuts matrices. Each
-parameter's part of the shard is split, in the row-major order megatron-core lays it out,
-into
-
-* a block of whole rows ``[r0, r1) × m``, compressed as rows of its matrix with that
-  matrix's ``Q`` (:mod:`megatron_edgc.compression.shard_powersgd`: PowerSGD's ``P = Σ M_i
-  Q`` is linear in the rows, so a row block of the instance sum is the instance sum of
-  the row blocks);
-* at most two partial rows at its ends, and every vector: sent dense.
-
-Pure index arithmetic, no torch.
+"""The matrices in one rank's shard of a DDP bucket (EDGC on the slow hop, docs/method.md §1
+"The slow hop"): rank ``k`` of an instance of ``s`` owns ``[k·L/s, (k+1)·L/s)`` of the
+bucket, which cuts matrices; each parameter's part is split, in megatron-core's row-major
+layout, into a block of whole rows (compressed with its matrix's ``Q``: ``P = Σ M_i Q`` is
+linear in the rows) and at most two partial rows at its ends, sent dense with every
+vector. Pure index arithmetic, no torch.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """What one compressed unit keeps across steps, and the one rule that settles a step
-(docs/reliability.md, "One rule for a step's outcome").
+(docs/reliability.md, "One rule for a step's outcome": every decision on ``E`` and ``Q``
+is a method here).
 
 A unit is a DP bucket, a rank's shard of one on the slow hop, or a pipeline edge's
 sender. Its :class:`UnitState` owns, per shape group, the warm start ``Q`` and the
-residual ``E`` (in the gradients' units, net of any loss scale: the same in every
-precision, scale and device); the pending residuals of matrices sent dense since a rank
-change (a residual moves with its matrix); and what the step in flight carried.
-
+residual ``E`` (in the gradients' units, net of any loss scale); the pending residuals of
+matrices sent dense since a rank change; and what the step in flight carried.
 Lifecycle: :meth:`UnitState.begin` → the compressor forms ``M``, sends, takes the
-residuals and records what its message carried → :meth:`UnitState.settle`. The rule: a
-step is applied only where the optimizer reported it; otherwise (a skip, a non-finite
-step, an outcome never reported before a save or the next step) what the message carried
-of ``E`` is given back. A matrix whose part of the message was not finite never changed
-its ``E``.
-
-The pipeline's sender settles each message at once (its receiver used it in the same
-backward) and its iteration by the same rule: :meth:`UnitState.mark` keeps its state at
-the iteration's start, and a step not applied (a skip, an outcome never reported, a
-schedule run again for the same iteration) rolls it back there (:meth:`settle_iteration`).
-Not a give-back: an activation gradient belongs to its micro-batch's backward, and a
-skipped iteration's were formed on weights the next iteration no longer has; rolled back,
-the sender's next message carries what the last applied iteration left, as if the skipped
-one had never run.
+residuals and records what its message carried → :meth:`UnitState.settle`: applied only
+where the optimizer reported it, otherwise what the message carried of ``E`` is given
+back. The pipeline's sender settles each message at once and its iteration by the
+outcome: not applied, it rolls back to :meth:`UnitState.mark`.
 """
 
 from __future__ import annotations

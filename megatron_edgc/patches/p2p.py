@@ -249,7 +249,7 @@ class CompressingP2PCommunicator(_P2PBase):
     """
 
     #: this iteration's loss scale (fp16's scaler, float ``[1]`` on the device; None
-    #: without one): each sender keeps its residual in the units it was formed at
+    #: without one): each sender keeps its residual net of it
     loss_scale: Optional[torch.Tensor] = None
 
     def __init__(self, pp_group, config, *, num_microbatches: int, num_chunks: int = 1,

@@ -1,28 +1,14 @@
-"""The EDGC driver: sampled entropy → controllers → DP ranks per stage (with DAC) and
-the pipeline rank, the same table on every rank of the job.
+"""The EDGC driver: sampled entropy → controllers → DP ranks per stage (with DAC) and the
+pipeline rank, the same table on every rank of the job (docs/method.md §2-7).
 
-Every iteration :class:`~megatron_edgc.runtime.step.EdgcRuntime` calls
-:meth:`EdgcDriver.before_step` and :meth:`EdgcDriver.after_step`. On the iterations GDS
-measures, each rank samples a ``β`` fraction of its local gradient elements
-(``entropy_probe`` of the DP patch, before the sync) and reduces each bucket's sample on
-the device as it comes (:class:`~megatron_edgc.control.entropy.SampledEntropy`); the
-entropy is formed from those sums when the runtime's per-iteration telemetry all-reduce
-reads it, and that all-reduce carries the estimates (no collective of their own) to
-average them per pipeline stage (over its DP and TP ranks). Every rank therefore feeds
-the same per-stage entropies to its own controller and holds the same rank table
-(``--edgc-check-table`` verifies that with a hash at each window end). The entry of this
-rank's stage is handed to the DP compression; ``None`` (warm-up) means dense.
-
-The controller is a :class:`~megatron_edgc.control.rank_control.RankControl`: the paper's
-(:class:`~megatron_edgc.control.rank_control.PaperControl`, with DAC attached for PP > 1,
-:mod:`megatron_edgc.runtime.dac`) or the budget controller
-(:class:`~megatron_edgc.runtime.budget.BudgetControl`). With ``--edgc-pp-compression
-edgc`` a second controller (one entry, its own bounds) attaches to it, fed the entropy of
-the outgoing backward activation gradients (sampled on the same iterations, averaged over
-every sending rank), and sets the pipeline rank (EDGC §7). The table is broadcast from
-the first rank (one small broadcast per window) and is what both ends of every pipeline
-message and every DP collective use. The calibrated ``g`` and the entropy study's
-statistics are in :mod:`megatron_edgc.runtime.gradient_stats`.
+:class:`~megatron_edgc.runtime.step.EdgcRuntime` calls :meth:`EdgcDriver.before_step` and
+:meth:`EdgcDriver.after_step` every iteration. On GDS's iterations each rank reduces its
+``β`` sample of each bucket on the device; the runtime's telemetry all-reduce carries the
+sums (no collective of their own), so every rank feeds the same per-stage entropies to
+its own controller (:class:`~megatron_edgc.control.rank_control.PaperControl` with DAC,
+or :class:`~megatron_edgc.runtime.budget.BudgetControl`; with ``--edgc-pp-compression
+edgc`` a second one for the pipeline rank) and holds the same table (broadcast from the
+first rank once per window; ``--edgc-check-table`` hashes it). ``None`` (warm-up): dense.
 """
 
 from __future__ import annotations

@@ -101,17 +101,11 @@ def lr_at(scheduler, step: int, *, samples_per_step: int = 1,
 class IterationRecords:
     """The per-iteration records of one rank, the same in both front-ends: ``iteration``,
     ``loss``, ``lr``, ``iter_ms``, ``tokens``, ``tokens_per_s``, ``grad_norm``, ``skipped``,
-    then the runtime's telemetry (:meth:`EdgcRuntime.end_step
-    <megatron_edgc.runtime.step.EdgcRuntime.end_step>`) and what the front-end adds
-    (``val_loss``, from which ``val_ppl`` follows).
-
-    :meth:`begin` and :meth:`end` stamp an iteration on the device clock (CUDA events on a
-    GPU, ``perf_counter`` on CPU): ``iter_ms`` is the device's time from the iteration's
-    first work to its optimizer step. A record's values may be 0-dim tensors on the device
-    until :meth:`flush`, which reads every pending record with one device wait and one read,
-    has the runtime fill in its telemetry (a collective: every rank flushes after the same
-    iterations) and writes the records to ``writers``
-    (:class:`~megatron_edgc.runtime.telemetry.MetricsWriter`).
+    the runtime's telemetry and the front-end's ``val_loss`` (``val_ppl`` follows).
+    :meth:`begin` and :meth:`end` stamp an iteration on the device clock (``iter_ms``: its
+    first work to its optimizer step); values stay device tensors until :meth:`flush`
+    reads every pending record at once (one wait, the runtime's collective) and writes
+    them to ``writers``.
     """
 
     def __init__(self, writers: list, runtime=None, *, use_cuda: bool = False):

@@ -1,41 +1,20 @@
-"""Which rank a job lost: one line naming a rank that died without an error of its own
-(SIGKILL, the OOM killer, a crash, its host gone) while the other ranks' collectives failed
-because of it, under torchrun.
+"""Which rank a job lost under torchrun: one line naming a rank that died without an error
+of its own (SIGKILL, the OOM killer, a crash, its host gone) while the other ranks'
+collectives failed because of it (docs/reliability.md, "A rank lost under torchrun": why
+torchrun's own root cause cannot say, with the measurement). The plain launcher and srun
+name a killed rank themselves. Through the store torchrun's agent hosts for the job
+(``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_ADDR``/``MASTER_PORT``: the public
+contract of ``torch.distributed.rendezvous``), which outlives every worker:
 
-torchrun's report names as root cause the failure with the earliest timestamp, in whole
-seconds: its workers' error files (``record``) against the time it noticed a worker die.
-A SIGKILLed worker writes none, and its peers write theirs (gloo's "Connection closed by
-peer") within milliseconds of its death: when the second turns in between, torchrun names
-one of them, a rank it stopped itself (docs/reliability.md has the measurement). The plain launcher
-(``training/launch.py``) sees its children's exit signals and names the rank itself; srun
-names a killed task itself. This module is for torchrun, through the store its agent hosts
-for the job, which outlives every worker: torchrun tells its workers that it is there
-(``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_ADDR``/``MASTER_PORT``; the public contract
-of ``torch.distributed.rendezvous``), so no private API is needed to reach it.
-
-* :func:`watch`, once a rank's process groups exist: the rank opens two clients of the
-  agent's store and starts a thread that blocks on one key (in the store's client, the GIL
-  released: nothing runs per step); it marks itself when it exits by itself, and when the
-  launcher stops it (a SIGTERM handler, where SIGTERM had its default action).
-* :func:`report`, in a rank's failure path (any exception, then re-raised): the rank marks
-  itself, and the first rank of the job to fail (or to be stopped) announces it, which
-  wakes every live rank's thread: each marks its rank at once, also while its main thread
-  is blocked in a collective. The announcing rank waits up to :data:`ANSWER_WINDOW_S` for
-  every rank's mark (a SIGTERM meanwhile is held, then delivered); the ranks still
-  unmarked were lost before the failure, and it prints one line on stderr. When every
-  rank answers (an error of a rank's own, a stopped job), it prints nothing and takes
-  milliseconds.
-
-Measured under torchrun (torch 2.13, 4 gloo ranks, rank 2 SIGKILLed while the others wait
-in an all-reduce): two peers' collectives failed about 17 ms after the kill, torchrun's
-SIGTERM reached them 3 ms later, and the third peer was still blocked then: hence the threads (a
-rank blocked in a collective cannot run Python) and the SIGTERM handler (a rank stopped
-before it marked would be named too). The handler runs when the main thread next runs
-Python: a rank blocked in a collective ends when the collective fails (its peers end), at
-the latest when the launcher kills it (torchrun: 30 s after its SIGTERM).
-
-Where no live rank turns the loss into an exception or a stop (the launcher not told),
-nothing is printed.
+* :func:`watch`, once a rank's process groups exist: two clients of the agent's store and
+  a thread blocked on one key (the GIL released: nothing runs per step); the rank marks
+  itself when it exits by itself, and when the launcher stops it (a SIGTERM handler,
+  where SIGTERM had its default action).
+* :func:`report`, in a rank's failure path: the rank marks itself, and the first rank of
+  the job to fail announces it, which wakes every live rank's thread to mark its rank, also
+  while its main thread is blocked in a collective; the announcer waits up to
+  :data:`ANSWER_WINDOW_S` for every mark and names the ranks still unmarked on stderr
+  (nothing where every rank answers, in milliseconds).
 """
 
 from __future__ import annotations

@@ -2,26 +2,18 @@
 
 This project's trainer (:mod:`megatron_edgc.training.loop`) and the Megatron-LM plug-in
 (:mod:`megatron_edgc.megatron_lm`) build one :class:`EdgcRuntime` after the model, DDP and
-optimizer exist, and call it around every step:
+optimizer exist, and call it around every step::
 
     runtime.begin_step(it)                      # ranks in force, bypass decisions, counters
     forward_backward(..., **runtime.schedule_kwargs())
     optimizer step, LR step
-    record = runtime.end_step(it, record)       # the step's telemetry taken; controller decides
-    ...
+    record = runtime.end_step(it, record)       # the outcome settled; controller decides
     runtime.flush()                             # at --log-interval: records filled (job-wide)
 
-so the two loops compress, measure and decide identically. It owns the DP compression
-(``patches/ddp.py``), the PP communicator (``patches/p2p.py``), the stage timer and the
-EDGC driver (``runtime/driver.py``), reduces the steps' telemetry over the job, and
-registers their state with the checkpoint registry (``runtime/rank_state.py``).
-
-No step waits for the device: each keeps its device-side records (CUDA events, non-finite
-flags, pipeline message headers) unread, and :meth:`EdgcRuntime.flush` reads those of all
-the steps since the last flush with one device wait and one all-reduce. The exceptions are
-the controller's own reads: GDS's measured iterations (the driver reads the job-wide
-entropies there) and, with DAC, each window end (its stage-time fits decide there); those
-steps flush at once.
+It owns the DP compression, the PP communicator, the stage timer and the EDGC driver, and
+registers their state for checkpoints. No step waits for the device: the device-side
+records stay unread until :meth:`EdgcRuntime.flush` (one wait, one all-reduce), but on
+the steps the controller reads (GDS's, and DAC's window ends), which flush at once.
 """
 
 from __future__ import annotations
