@@ -72,10 +72,13 @@ def test_fp16_dense_static_and_edgc_reach_dense_fp16s_loss(small_model_argv, tmp
 OVERFLOW_AT = 5
 
 
+@pytest.mark.parametrize("buffers", ["fp32", "fp16"])
 def test_an_overflow_on_one_rank_skips_the_step_everywhere_and_loses_nothing(
-        small_model_argv, tmp_path):
-    """An Inf in DP rank 1's first bucket of one bucket group at iteration 6, fp16 gradient
-    buffers, several buckets per stage: the step is skipped on every rank, the scale
+        small_model_argv, tmp_path, buffers):
+    """An Inf in DP rank 1's first bucket of one bucket group at iteration 6, several
+    buckets per stage, the gradient buffers compression keeps by default (fp32) and fp16
+    ones (``--no-accumulate-allreduce-grads-in-fp32``, issue 81: the residuals then reach
+    fp16 gradients): the step is skipped on every rank, the scale
     halves (hysteresis 1), and every bucket follows the skip rule exactly: a finite
     bucket's residual is the ``M = G + E`` it did not apply, a bucket with the Inf keeps
     its ``E`` and ``Q`` bit for bit, the same on every DP rank. What the sync left (the
@@ -85,8 +88,11 @@ def test_an_overflow_on_one_rank_skips_the_step_everywhere_and_loses_nothing(
             + LAYOUTS["tp1-pp2-dp2"] + FP16
             + ["--train-iters", "8", "--eval-interval", "8", "--hysteresis", "1",
                "--edgc-mode", "static", "--edgc-rank", "4", "--overlap-grad-reduce",
-               "--bucket-size", "40000", "--metrics-file", str(tmp_path / "m.jsonl")])
+               "--bucket-size", "40000", "--metrics-file", str(tmp_path / "m.jsonl")]
+            + (["--no-accumulate-allreduce-grads-in-fp32"] if buffers == "fp16" else []))
     results = run_job(argv, str(tmp_path / "out"))
+    want = torch.float16 if buffers == "fp16" else torch.float32
+    assert {b.dtype for r in results for b in r["grad_buffers"]} == {want}
     records = read_jsonl(str(tmp_path / "m.jsonl"))
     assert [r["skipped"] for r in records] == [r["iteration"] == OVERFLOW_AT + 1
                                              for r in records]
