@@ -453,3 +453,25 @@ def test_a_save_changes_nothing_of_the_step_in_flight(one_process_group):  # noq
     comp.after_step(applied=False)
     for name in names:
         assert torch.equal(saved["matrices"][name]["residual"], residual(comp, name))
+
+
+def test_a_dp_rerun_of_the_same_iteration_counts_its_gradient_twice():
+    """The known limit (docs/reliability.md): Megatron-LM's rerun machine recomputes an
+    iteration after a finite first run; a DP unit settles the first run as not applied
+    (its ``M`` given back) before the second takes the recomputed gradient, so what the
+    applied run delivered plus ``E`` is ``2 G + E_0``, the gradient twice (the pipeline's
+    senders roll back instead: counted once, above). Undoing it would need a copy of every
+    residual before every step."""
+    comp = BucketCompressor(ENTRIES, rank=2, seed=1, compress_all=True)
+    simulated_step([comp], grads_of(1, ranks=1))
+    comp.after_step(applied=True)
+    names = [n for g in comp.groups.values() for n in g.names]
+    e0 = {n: residual(comp, n).clone() for n in names}
+    g = grads_of(2, ranks=1)[0]
+    simulated_step([comp], [[t.clone() for t in g]], applied=None)   # the first run
+    delivered = [t.clone() for t in g]
+    simulated_step([comp], [delivered], applied=True)                 # the rerun, applied
+    for i, (name, _) in enumerate(ENTRIES):
+        if name in names:
+            total = delivered[i] + residual(comp, name)
+            assert relative(total, 2 * g[i] + e0[name]) < 1e-5, name

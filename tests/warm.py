@@ -8,9 +8,16 @@ same command as a child forked from a server that has those modules imported alr
 (one server per interpreter, ``PYTHONPATH`` and ``OMP_NUM_THREADS``): the child takes the
 job's environment, working directory and ``sys.argv`` and runs the script or module as
 ``__main__``, its output in files the caller reads. A torchrun of the tests' form
-(``--standalone`` or a static rendezvous, ``--nproc-per-node N``) forks N workers with the
-environment torchrun gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``);
-a failed worker stops its peers, as torchrun's agent does.
+(``--standalone`` or a static rendezvous, ``--nproc-per-node N``) is its agent (issue 81):
+the job's store hosted by a process of the agent's at ``MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE=True``, so the workers' rendezvous and the lost-rank
+watcher use it, as under torchrun), N workers forked with torchrun's environment
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``, ``TORCHELASTIC_*``, an error file
+each, ``OMP_NUM_THREADS=1`` where unset), a failed worker stopping its peers, the root
+cause's error file reported and exit code 1, as torchrun's agent does. Each job gets a
+fresh RNG state (``random``, numpy) and the warnings its imports gave in the server on its
+own stderr. Not emulated: the hash seed, one per server (a job whose environment sets
+``PYTHONHASHSEED`` runs cold).
 
 Forking is safe as the workers of :func:`megatron_edgc.training.launch.spawn_local` are:
 the server runs no torch operation (OpenMP thread pools do not survive a fork). Anything
@@ -62,7 +69,7 @@ def run(cmd, *, env=None, cwd=None, timeout=None, capture_output=True, text=True
     (module docstring)."""
     env = dict(os.environ if env is None else env)
     request = _request(cmd, env, cwd)
-    if request is None or not capture_output or not text or \
+    if request is None or not capture_output or not text or "PYTHONHASHSEED" in env or \
             os.environ.get("EDGC_TEST_COLD") == "1":
         return subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, check=check,
                               capture_output=capture_output, text=text)
@@ -160,15 +167,44 @@ def _read(path: str) -> str:
 # ------------------------------------------------------------------ server
 
 def _preload() -> None:
-    import importlib
 
     def load(names):
         for name in names:
             try:
-                importlib.import_module(name)
+                __import__(name)   # through the tracking __import__ below
             except Exception:   # noqa: BLE001 (not on this path: the job imports it, or fails)
                 pass
 
+    import builtins
+    import warnings
+
+    stack, original = [], builtins.__import__
+
+    def tracking(name, globals=None, locals=None, fromlist=(), level=0):
+        parent = stack[-1] if stack else None
+        stack.append(_absolute(name, globals, level))
+        try:
+            module = original(name, globals, locals, fromlist, level)
+        finally:
+            stack.pop()
+        if parent is not None:
+            _DEPENDS.setdefault(parent, set()).update(_imported(name, globals, fromlist, level))
+        return module
+
+    def attribute(message, category, filename, lineno, file=None, line=None):
+        _WARNED.setdefault(stack[-1] if stack else None, []).append(
+            (message, category, filename, lineno))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = attribute
+        builtins.__import__ = tracking
+        try:
+            _load_all(load)
+        finally:
+            builtins.__import__ = original
+
+
+def _load_all(load) -> None:
     load(PRELOAD)
     try:
         from megatron_edgc.megatron_lm.cpu import install_import_stubs
@@ -190,6 +226,8 @@ def _free_port() -> int:
 def _run_target(request: dict) -> int:
     """Run the request's script or module as ``__main__``; its exit code."""
     sys.argv = list(request["argv"])
+    if "module" in request:   # runpy imports its package with importlib, not __import__
+        __import__(request["module"].rpartition(".")[0] or request["module"])
     try:
         if "module" in request:
             sys.path[0] = request["cwd"]
@@ -211,10 +249,38 @@ def _run_target(request: dict) -> int:
         return 1
 
 
+def _agent_store(port: int) -> int:
+    """The job's store, as torchrun's agent hosts it (a TCPStore at ``port`` for the
+    workers' rendezvous and the lost-rank watcher), in a process of its own: the agent
+    forks its workers after, and a process that forks must have no thread of a store's.
+    Returns its pid once it listens."""
+    ready, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready)
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=True,  # noqa: F841
+                              timeout=datetime.timedelta(minutes=30), wait_for_workers=False)
+        os.write(told, b"1")
+        os.close(told)
+        while True:
+            signal.pause()
+    os.close(told)
+    os.read(ready, 1)
+    os.close(ready)
+    return pid
+
+
 def _torchrun(request: dict) -> int:
-    """torchrun's local agent: ``nproc`` workers with its environment; a failed worker
-    stops the others; the first failure's exit code."""
+    """torchrun's local agent (module docstring): ``nproc`` workers with its environment
+    around the agent's store; a failed worker stops the others; exit code 1 on a failure,
+    its root cause (the first failure) reported from the worker's error file."""
     n, port = request["nproc"], request["port"] or _free_port()
+    store = _agent_store(port)
+    errors = tempfile.mkdtemp(prefix="edgc-warm-errors-")
     pids = {}
     for rank in range(n):
         pid = os.fork()
@@ -224,24 +290,41 @@ def _torchrun(request: dict) -> int:
                               ROLE_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                              TORCHELASTIC_RUN_ID="none")
+                              TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="True",
+                              TORCHELASTIC_ERROR_FILE=os.path.join(errors, f"{rank}.json"))
+            if "OMP_NUM_THREADS" not in request["env"]:   # torchrun's default, N > 1
+                os.environ["OMP_NUM_THREADS"] = "1"
+                import torch
+
+                torch.set_num_threads(1)
             _exit(_run_target(request))
         pids[pid] = rank
-    code = 0
+    failures = []
     while pids:
         pid, status = os.wait()
         if pid not in pids:
             continue
-        del pids[pid]
+        rank = pids.pop(pid)
         rc = os.waitstatus_to_exitcode(status)
-        if rc and not code:
-            code = rc if rc > 0 else 128 - rc
+        if rc:
+            failures.append((rank, rc))
             for other in pids:   # as torchrun's agent: the rest of the group is stopped
                 try:
                     os.kill(other, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-    return code
+    os.kill(store, signal.SIGKILL)
+    os.waitpid(store, 0)
+    if not failures:
+        return 0
+    rank, rc = failures[0]
+    error = os.path.join(errors, f"{rank}.json")
+    message = _read(error) if os.path.exists(error) else "<N/A>"
+    print(f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+          f"Root Cause (first observed failure):\n  rank: {rank} (local_rank: {rank})\n"
+          f"  exitcode: {rc}\n  error_file: {error if message != '<N/A>' else '<N/A>'}\n"
+          f"  traceback: {message}", file=sys.stderr)
+    return 1
 
 
 def _job(request: dict) -> None:
@@ -259,7 +342,67 @@ def _job(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    _fresh_process()
     _exit(_torchrun(request) if request["nproc"] else _run_target(request))
+
+
+#: module -> the modules its import imported, and the warnings given while it was the
+#: innermost import, in the server's preload (a cold job's imports give them again)
+_DEPENDS: dict = {}
+_WARNED: dict = {}
+
+
+def _absolute(name, globals_, level) -> str:
+    """An ``__import__`` call's module name, its relative form resolved."""
+    if not level:
+        return name
+    package = (globals_ or {}).get("__package__") or ""
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{name}" if name else base
+
+
+def _imported(name, globals_, fromlist, level) -> list:
+    """The modules an ``__import__`` call names (its ``fromlist``'s submodules too), those
+    that exist."""
+    name = _absolute(name, globals_, level)
+    names = [name] + [f"{name}.{f}" for f in fromlist or () if f != "*"]
+    return [n for n in names if n in sys.modules]
+
+
+def _fresh_process() -> None:
+    """What a process of its own would start with: its RNG states from the OS (not the
+    server's), and on its stderr the warnings the imports it runs would have given, once
+    each, as its code imports the preloaded modules that gave them (directly or through
+    the modules they import)."""
+    import builtins
+    import random
+    import warnings
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    seen: set = set()
+
+    def emit(names):
+        todo = list(names)
+        while todo:
+            module = todo.pop()
+            if module in seen:
+                continue
+            seen.add(module)
+            for w in _WARNED.get(module, ()):
+                warnings.showwarning(*w)
+            todo.extend(sorted(_DEPENDS.get(module, ()), reverse=True))
+
+    original = builtins.__import__
+
+    def replaying(name, globals=None, locals=None, fromlist=(), level=0):
+        module = original(name, globals, locals, fromlist, level)
+        emit(_imported(name, globals, fromlist, level))
+        return module
+
+    builtins.__import__ = replaying
 
 
 def _exit(code: int) -> None:
