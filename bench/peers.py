@@ -524,7 +524,8 @@ def warmup_end(records) -> int:
 def steady(records, key, start: int, stop: float = float("inf")):
     vals = [r[key] for r in records if start < r["iteration"] <= stop
             and r.get(key) is not None]
-    vals = [numpy.nanmax(v) if isinstance(v, list) else v for v in vals]
+    vals = [max((x for x in v if x == x), default=float("nan")) if isinstance(v, list) else v
+            for v in vals]
     return float(numpy.mean(vals)) if vals else None
 
 
