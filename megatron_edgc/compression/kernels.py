@@ -66,11 +66,11 @@ def factor_failure(p: torch.Tensor, p_hats: Sequence[torch.Tensor],
     matrices' orthonormal bases stood in for a failed factorization (``stood_in``:
     :func:`~megatron_edgc.compression.orthonormal.orthonormalize`'s), plus one per basis
     that came out non-finite all the same; 0 where ``p`` is not finite."""
-    bad = [torch.isfinite(h).all().logical_not().float() for h in p_hats] + \
+    nonfinite = [torch.isfinite(h).all().logical_not().float() for h in p_hats] + \
         [s.float().sum() for s in stood_in]
-    if not bad:
+    if not nonfinite:
         return torch.zeros(1, device=p.device)
-    return (torch.isfinite(p).all().float() * torch.stack(bad).sum()).view(1)
+    return (torch.isfinite(p).all().float() * torch.stack(nonfinite).sum()).view(1)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
@@ -176,14 +176,14 @@ class WireLayout:
 
 
 def split_factors(buf: torch.Tensor, shapes: Sequence[tuple],
-                  bad: Optional[torch.Tensor] = None) -> list:
+                  nonfinite: Optional[torch.Tensor] = None) -> list:
     """The per-group ``[k, rows, r]`` fp32 factors of a summed flat buffer (``shapes``:
-    ``(k, rows, r)`` in order); where ``bad`` is set each is a new tensor of NaN."""
+    ``(k, rows, r)`` in order); where ``nonfinite`` is set each is a new tensor of NaN."""
     out, offset = [], 0
     for k, rows, r in shapes:
         x = buf[offset:offset + k * rows * r].view(k, rows, r).float()
         offset += k * rows * r
-        out.append(x if bad is None else x.masked_fill(bad, float("nan")))
+        out.append(x if nonfinite is None else x.masked_fill(nonfinite, float("nan")))
     assert offset == buf.numel()
     return out
 
@@ -308,7 +308,7 @@ class ErrorFeedback:
         return out
 
     def project_and_take(self, g: ShapeGroup, views: list, basis: torch.Tensor,
-                         transposed: bool, bad: torch.Tensor, factor_dtype: torch.dtype,
+                         transposed: bool, nonfinite: torch.Tensor, factor_dtype: torch.dtype,
                          energy: bool = False) -> tuple:
         """The second product and the residual in one pass over ``M``: per block the local
         factor ``L`` (``Mᵀ B``, ``[k, m, r]``, where ``transposed``; else ``M B``), ``L``
@@ -318,7 +318,7 @@ class ErrorFeedback:
         and its end (:meth:`write_result`) forms it no more.
 
         The non-finite rule of a message (docs/reliability.md): a matrix keeps ``E`` bit
-        for bit where ``bad`` (bool ``[1]``: what the step received is not finite) or
+        for bit where ``nonfinite`` (bool ``[1]``: what the step received is not finite) or
         where its own local factor as sent is not finite (an overflow from finite ``M``
         and ``B``, or a non-finite basis). Returns ``(L, L as sent (fp32, rounded),
         kept, Σ‖M‖²)``: ``kept`` bool ``[k, 1, 1]`` on the device, the energy in float64,
@@ -337,7 +337,7 @@ class ErrorFeedback:
             if sent is not local:
                 sent[a:b].copy_(local[a:b].to(factor_dtype))
             finite = torch.isfinite(sent[a:b]).view(b - a, -1).all(1).view(-1, 1, 1)
-            torch.logical_or(finite.logical_not(), bad.view(1, 1, 1), out=kept[a:b])
+            torch.logical_or(finite.logical_not(), nonfinite.view(1, 1, 1), out=kept[a:b])
             outer = (basis[a:b], sent[a:b]) if transposed else (sent[a:b], basis[a:b])
             self._take_block(g, a, b, m, target, kept[a:b], outer)
         return local, sent, kept, total

@@ -220,19 +220,19 @@ class LowRankState:
             wire.append(sent.view(-1))
         return wire
 
-    def _write_results(self, step: Step, q_buf: torch.Tensor, bad: torch.Tensor,
+    def _write_results(self, step: Step, q_buf: torch.Tensor, nonfinite: torch.Tensor,
                        transposed: bool) -> None:
         """After the second collective: every group's ``P^ (ΣQ)ᵀ`` (or ``ΣQ P^ᵀ``) written
-        over its gradients and ``ΣQ`` into its warm start (kept where ``bad``: the summed
+        over its gradients and ``ΣQ`` into its warm start (kept where ``nonfinite``: the summed
         factors are NaN there), the measured spectrum added."""
         shapes = [(len(g.indices), g.m if transposed else g.n, self._rank_for(g))
                   for g in self.groups.values()]
-        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, bad)):
+        for (key, g), q in zip(self.groups.items(), split_factors(q_buf, shapes, nonfinite)):
             p_hat = step.p_hat[key]
             self.ef.write_result(g, step.views[key], (p_hat, q) if transposed else (q, p_hat))
-            self.state.next_warm_start(g, q, bad)
+            self.state.next_warm_start(g, q, nonfinite)
             if self.track_spectrum:
-                self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], bad)
+                self._add_spectrum((g.full_n, g.m), step.energy[key], step.q_local[key], nonfinite)
             step.views[key] = None
 
     def after_step(self, applied: bool) -> None:
@@ -262,10 +262,10 @@ class LowRankState:
             self.state.carried_pending(name)
 
     def _add_spectrum(self, key, total: torch.Tensor, q_local: torch.Tensor,
-                      bad: torch.Tensor) -> None:
+                      nonfinite: torch.Tensor) -> None:
         """Accumulate ``[Σ‖M‖², Σ_k sorted column energies of the local factor, steps]``
         for one group, on the device (``total``: ``Σ‖M‖²`` in float64; a step whose
-        ``bad`` flag is set adds 0).
+        ``nonfinite`` flag is set adds 0).
 
         The shared factor is orthonormal, so column ``j`` of the local factor carries
         exactly the energy the step captures in direction ``j``, and ``‖M‖² − Σ_j`` of
@@ -274,7 +274,7 @@ class LowRankState:
         rank up to the current one, at the cost of one pass over the factor.
         """
         cols = (q_local.float() ** 2).sum(dim=1).sort(dim=1, descending=True).values.sum(0)
-        good = bad.logical_not().view(())
+        good = nonfinite.logical_not().view(())
         total, cols = torch.where(good, total, 0.0), torch.where(good, cols.double(), 0.0)
         entry = self.spectrum.get(key)
         if entry is None or entry[1].numel() != cols.numel():

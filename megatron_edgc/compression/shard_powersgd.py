@@ -192,10 +192,10 @@ class ShardCompressor(LowRankState):
         step.factor_failure = factor_failure(p_full, hats, stood_in)
         # a non-finite P, or a shard's flag (summed into its slot): every rank of the
         # instance sees both; the residual is taken where neither is set
-        bad = torch.zeros(1, dtype=torch.bool, device=device)
+        nonfinite = torch.zeros(1, dtype=torch.bool, device=device)
         if p_full.numel():
-            bad = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
-        step.nonfinite = bad.view(1)
+            nonfinite = torch.isfinite(p_full).all().logical_not() | (p_full[lay["flag_at"]] > 0)
+        step.nonfinite = nonfinite.view(1)
         for key, g in self.groups.items():
             step.p_hat[key] = p_hat_all[lay["groups"][key][1]].view(
                 len(g.indices), g.m, self._rank_for(g))
