@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup
+from megatron_edgc.compression.unit_state import UnitState
 
 #: bf16's error-feedback round trip may cost this much of fp32's, per device kind, and
 #: still be chosen: a GPU's memory is worth some time; a host's is not (its bf16 costs
@@ -39,7 +40,7 @@ def _round_trip_ms(ef_dtype: torch.dtype, grad_dtype: torch.dtype, shape: tuple,
     grads = torch.empty_like(source)
     basis = torch.randn(count, n, _RANK, device=device, generator=gen)
     keep = torch.zeros((), dtype=torch.bool, device=device)
-    ef = ErrorFeedback(ef_dtype, 64 << 20)
+    ef = UnitState(ErrorFeedback(ef_dtype, 64 << 20)).ef   # the unit's rules, as a step
     cuda = device.type == "cuda"
     times = []
     for _ in range(_REPEATS + 1):

@@ -210,6 +210,9 @@ class ErrorFeedback:
     """
 
     def __init__(self, ef_dtype: torch.dtype, workspace_bytes: int):
+        #: the unit whose rules this pass applies (its :class:`~megatron_edgc.compression.
+        #: unit_state.UnitState` sets itself): which matrices keep ``E``, and how it is stored
+        self.rule = None
         self.ef_dtype = ef_dtype
         self.workspace_bytes = workspace_bytes
         #: this step's loss scale, float ``[1]`` on the device (None: no scaler, 1), and
@@ -317,10 +320,9 @@ class ErrorFeedback:
         last time here: a low-precision buffer forms it twice per step, not three times,
         and its end (:meth:`write_result`) forms it no more.
 
-        The non-finite rule of a message (docs/reliability.md): a matrix keeps ``E`` bit
-        for bit where ``nonfinite`` (bool ``[1]``: what the step received is not finite) or
-        where its own local factor as sent is not finite (an overflow from finite ``M``
-        and ``B``, or a non-finite basis). Returns ``(L, L as sent (fp32, rounded),
+        The message's non-finite rule is the unit's (:attr:`rule`,
+        :meth:`~megatron_edgc.compression.unit_state.UnitState.keeps`), applied in this
+        pass. Returns ``(L, L as sent (fp32, rounded),
         kept, Σ‖M‖²)``: ``kept`` bool ``[k, 1, 1]`` on the device, the energy in float64,
         read before ``M`` becomes the residual (None without ``energy``)."""
         rows = g.m if transposed else g.n
@@ -336,8 +338,7 @@ class ErrorFeedback:
             torch.bmm(m.transpose(1, 2) if transposed else m, basis[a:b], out=local[a:b])
             if sent is not local:
                 sent[a:b].copy_(local[a:b].to(factor_dtype))
-            finite = torch.isfinite(sent[a:b]).view(b - a, -1).all(1).view(-1, 1, 1)
-            torch.logical_or(finite.logical_not(), nonfinite.view(1, 1, 1), out=kept[a:b])
+            self.rule.keeps(sent[a:b], nonfinite, out=kept[a:b])
             outer = (basis[a:b], sent[a:b]) if transposed else (sent[a:b], basis[a:b])
             self._take_block(g, a, b, m, target, kept[a:b], outer)
         return local, sent, kept, total
@@ -346,19 +347,13 @@ class ErrorFeedback:
                     kept: torch.Tensor, outer: tuple) -> None:
         """``M -= A Bᵀ`` (then ``/= s``) in the block's ``M`` (an fp32 buffer's run: the
         gradients then hold the residual until :meth:`write_result`), selected into
-        ``E[lo:hi]`` where ``kept`` (``[hi - lo, 1, 1]``) is not set."""
+        ``E[lo:hi]`` by the unit's rule (:meth:`UnitState.store`) where ``kept`` is not set."""
         m.baddbmm_(outer[0], outer[1].transpose(1, 2), alpha=-1)
         if self.inv_scale is not None:
             m.mul_(self.inv_scale)
         temps = self.temporaries(m.device) if target is None else 0
         for a, b in self.slices(lo, hi, g, temps):
-            keep = kept[a - lo:b - lo]
-            if self.ef_dtype == torch.float32:
-                torch.where(keep, g.residual[a:b], m[a - lo:b - lo], out=g.residual[a:b])
-            else:   # M, no longer needed, takes the selection: no fp32 copy
-                new = m[a - lo:b - lo]
-                torch.where(keep, g.residual[a:b], new, out=new)
-                g.residual[a:b].copy_(new)
+            self.rule.store(g.residual[a:b], m[a - lo:b - lo], kept[a - lo:b - lo])
 
     def write_result(self, g: ShapeGroup, views: list, result: tuple) -> None:
         """``C Dᵀ`` (``(C, D) = result``) written over the group's gradients: in place in an

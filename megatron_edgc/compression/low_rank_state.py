@@ -153,7 +153,7 @@ class LowRankState:
         ``step.kept``, the residuals taken, the local factor the warm start where it was
         finite, the step settled as applied at once."""
         bufs, step = self.start(grads)
-        self.middle(step, bufs)
+        self.middle(step, bufs, pack=False)
         for key, g in self.groups.items():
             self.state.next_warm_start(g, step.q_local[key], step.kept[key])
         self.after_step(applied=True)

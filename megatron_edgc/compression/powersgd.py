@@ -81,13 +81,14 @@ class BucketCompressor(LowRankState):
         first, _ = self.layouts()
         return first.pack(p_parts, self._dense_parts(grads), device), step
 
-    def middle(self, step: Step, reduced: Sequence[torch.Tensor]) -> list:
+    def middle(self, step: Step, reduced: Sequence[torch.Tensor], pack: bool = True) -> list:
         """After the first SUM: orthonormalize P, ``Q = Mᵀ P^``, and the residual
         ``E = M - P^ Qᵀ`` against ``Q`` as it goes on the wire, selected into ``E`` where
         the summed flag is clear and the matrix's ``Q`` as sent is finite (a non-finite ``P^``
         gives a NaN ``Q``: :meth:`ErrorFeedback.project_and_take`); the dense rest
         into its gradients. Returns the buffers of the second SUM (``[Q]`` in the factor
-        dtype, or none). Runs whatever the summed flag says."""
+        dtype, or none; none packed without ``pack``: a step with no collective). Runs
+        whatever the summed flag says."""
         first, second = self.layouts()
         p_buf, dense, step.nonfinite = first.unpack(reduced)
         shapes = [(len(g.indices), g.n, self._rank_for(g))
@@ -99,7 +100,7 @@ class BucketCompressor(LowRankState):
         step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
         wire = self._take_residuals(step, step.nonfinite, True)
         copy_dense_back(step.grads, self.dense_indices, dense)
-        return second.pack(wire, [], p_buf.device)
+        return second.pack(wire, [], p_buf.device) if pack else []
 
     def finish(self, step: Step, reduced: Sequence[torch.Tensor]) -> None:
         """After the second SUM: ``M^ = P^ Qᵀ`` written over the gradients

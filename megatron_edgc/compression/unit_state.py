@@ -40,6 +40,7 @@ class UnitState:
 
     def __init__(self, ef: ErrorFeedback):
         self.ef = ef
+        ef.rule = self   # the step's one pass over M applies keeps() and store() below
         self.groups: dict = {}                      # group key -> ShapeGroup (q, residual)
         self.pending: dict[str, torch.Tensor] = {}  # name -> residual of a matrix gone dense
         #: every residual is zero (none taken since the last applied dense message)
@@ -76,6 +77,23 @@ class UnitState:
         """Group ``g``'s warm start for the next step: the step's ``q`` where it is finite,
         the one before where ``keep`` (``[k, 1, 1]`` or ``[1, 1, 1]``, on the device)."""
         g.q = torch.where(keep, g.q, q)
+
+    @staticmethod
+    def keeps(sent: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor) -> None:
+        """The message's per-matrix rule, applied in the pass that takes ``E``: a matrix
+        keeps its ``E`` and ``Q`` where what the step received is not finite
+        (``nonfinite``) or its own factor as ``sent`` is not; ``out``: bool ``[k, 1, 1]``."""
+        finite = torch.isfinite(sent).view(sent.shape[0], -1).all(1).view(-1, 1, 1)
+        torch.logical_or(finite.logical_not(), nonfinite.view(1, 1, 1), out=out)
+
+    @staticmethod
+    def store(residual: torch.Tensor, taken: torch.Tensor, keep: torch.Tensor) -> None:
+        """A residual ``taken`` (fp32, then free) into ``E`` where the matrix does not keep it."""
+        if residual.dtype == taken.dtype:
+            torch.where(keep, residual, taken, out=residual)
+            return
+        torch.where(keep, residual, taken, out=taken)
+        residual.copy_(taken)
 
     def carried_factors(self, g: ShapeGroup, kept: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor) -> None:

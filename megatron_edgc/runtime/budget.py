@@ -1,13 +1,8 @@
-"""The budget controller at run time (``--edgc-controller budget``, beyond the paper:
-docs/method.md §8): :class:`BudgetControl`, the driver's
-:class:`~megatron_edgc.control.rank_control.RankControl` for per-shape ranks.
-
-It runs :class:`~megatron_edgc.control.rank_allocation.BudgetRankController` and feeds
-it, at every window end after warm-up: the window's column energies per stage and matrix
-shape (PowerSGD's own spectrum, summed over the job by one all-reduce), with
-``--edgc-budget-weight adam`` the error weights from the optimizer's second moment,
-with ``--edgc-budget-schedule lr`` a budget scale per window from the LR schedule, and
-every stage's DP sync time line from the bypass's cost model (the time budget's prices).
+"""The budget controller at run time (``--edgc-controller budget``, docs/method.md §8):
+:class:`BudgetControl` feeds :class:`~megatron_edgc.control.rank_allocation.BudgetRankController`
+at every window end after warm-up with the window's column energies per stage and shape
+(summed over the job), the optional Adam weights and LR-scheduled budget, and every
+stage's DP sync time line from the bypass's cost model.
 """
 
 from __future__ import annotations

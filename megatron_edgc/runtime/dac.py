@@ -1,13 +1,8 @@
-"""DAC at run time (EDGC §6): per-stage sync-time fits and the aligned DP rank table.
-
-The window after warm-up probes two ranks on every stage (first half ``r_max``, second
-half ``r_min``) so that each stage's sync time ``T_s(r) = η_s r + c_s`` can be fitted;
-every window end refits (least-squares sums over all windows so far, decayed by
-:data:`DAC_DECAY` per window) and raises each stage's CQM rank by its slack, from the
-window's mean backward and send times
-(:func:`~megatron_edgc.control.stage_alignment.aligned_ranks`). The timings are per-stage
-means over the job (one all-reduce per iteration, the caller's), so every rank computes
-the same table. :class:`StageTimeFits` is the
+"""DAC at run time (EDGC §6, docs/method.md §6): per-stage sync-time fits ``T_s(r) = η_s r +
+c_s`` from the probes after warm-up (first half of the window at ``r_max``, second at
+``r_min``), refitted at every window end (decayed by :data:`DAC_DECAY`), and the aligned DP
+rank table (:func:`~megatron_edgc.control.stage_alignment.aligned_ranks`) from per-stage
+means over the job, so every rank computes the same table. :class:`StageTimeFits` is the
 :class:`~megatron_edgc.control.rank_control.TableAlignment` the paper's control carries.
 """
 

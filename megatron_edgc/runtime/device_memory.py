@@ -1,13 +1,8 @@
-"""GPU memory this process holds outside PyTorch's caching allocator, at the moments of
-start-up that allocate it: the CUDA context, NCCL's communicators (one per process group
-that has run a collective), the cuBLAS and cuSOLVER workspaces.
-
-On 2026-11-27 each one-rank trainer process held about 8 GB of an H100 outside the
-allocator (issue 66). :func:`mark` records, at a named moment, the process's device memory
-(NVML's per-process figure where ``pynvml`` imports, else the device's used memory from
-``cudaMemGetInfo``, named so) beside ``torch.cuda.memory_reserved()``; :func:`format_marks`
-gives the line the trainer prints once after its first step. A handful of calls at
-start-up, none in the step: nothing here runs per iteration.
+"""GPU memory this process holds outside PyTorch's caching allocator at the moments of
+start-up that allocate it (the CUDA context, NCCL's communicators, the cuBLAS and cuSOLVER
+workspaces; issue 66: about 8 GB of an H100 per one-rank process): :func:`mark` records
+NVML's per-process figure (else ``cudaMemGetInfo``'s) beside ``memory_reserved()``,
+:func:`format_marks` gives the trainer's line after its first step. Nothing per step.
 """
 
 from __future__ import annotations
