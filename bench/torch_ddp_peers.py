@@ -541,7 +541,8 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
             with open(os.path.splitext(cfg.logging.metrics_file)[0] + ".summary.json",
                       "w") as fh:
                 json.dump(summary, fh, indent=2)
-            print(f"summary | {summary['engine']} | val loss {val_loss:.4f} | "
+            val = "n/a" if val_loss is None else f"{val_loss:.4f}"   # stopped before one
+            print(f"summary | {summary['engine']} | val loss {val} | "
                   f"{summary['ms_per_iter']:.1f} ms/iter | grad sync "
                   f"{summary['grad_sync_ms']:.1f} ms", flush=True)
         if diloco is not None:

@@ -80,6 +80,19 @@ def test_two_outer_steps_equal_a_hand_computed_nesterov_step(small_model_argv, t
     assert summary["val_on"] == "the replicas' average"
 
 
+def test_a_run_stopped_before_its_first_evaluation_ends_cleanly(small_model_argv, tmp_path):
+    """The race's timing runs are the loss run's config stopped early (``--exit-interval``,
+    issue 80), before any evaluation of a long run: the peer stops there, exit 0, no
+    validation loss."""
+    _, records, proc = run_peer(small_model_argv, tmp_path,
+                                ["--train-iters", "8", "--eval-interval", "8",
+                                 "--exit-interval", "2"])
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert not any("val_loss" in r for r in records)
+    assert "exiting at iteration 2 (--exit-interval)" in proc.stdout
+    assert "val loss n/a" in proc.stdout
+
+
 def read_summary(tmp_path) -> dict:
     import json
 
