@@ -843,11 +843,13 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
     faster than every other that reached it on every seed by the one rule (every paired
     ratio below 1, :func:`ratio_verdict`), with its largest ratio; none where no mode is."""
     levels = [target_loss(data, f) for f in fractions]
+    if None in levels:   # no dense fp32 loss run yet (a race's timing first)
+        return "(no loss run of dense fp32 yet)"
     lines = ["| link | mode | " + " | ".join(
         f"s to {lv:.4f} (dense at {f:.0%})" for f, lv in zip(fractions, levels)) + " |",
         "|---" * (2 + len(levels)) + "|"]
     for rate in RATES:
-        if rate not in data["time"] or None in levels:
+        if rate not in data["time"]:
             continue
         per_level = [times_to_target(data, rate, lv) for lv in levels]
         best = []

@@ -754,36 +754,34 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def _dp_residuals(ckpt, iteration: int) -> dict:
-    """Each rank's DP compression residuals in its sidecar of ``iteration``, by matrix
-    name (a matrix's pending one included)."""
+def _sidecars(ckpt, iteration: int, read) -> dict:
+    """``read(extensions)`` of each rank's EDGC sidecar of ``iteration``, by file name."""
     import torch
 
     folder = os.path.join(ckpt, f"iter_{iteration:07d}", "edgc")
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        state = torch.load(os.path.join(folder, name), weights_only=False)
-        dp = state["extensions"]["dp_compression"]
-        out[name] = {f"{b}/{m}": e["residual"] for b, bucket in dp["buckets"].items()
-                     for m, e in bucket["matrices"].items()}
-        out[name].update({f"{b}/{m}": e for b, bucket in dp["buckets"].items()
-                          for m, e in bucket.get("pending", {}).items()})
-    return out
+    return {name: read(torch.load(os.path.join(folder, name), weights_only=False)["extensions"])
+            for name in sorted(os.listdir(folder))}
+
+
+def _dp_residuals(ckpt, iteration: int) -> dict:
+    """Each rank's DP compression residuals, by matrix name (a pending one included)."""
+    def read(ext):
+        buckets = ext["dp_compression"]["buckets"]
+        out = {f"{b}/{m}": e["residual"] for b, bucket in buckets.items()
+               for m, e in bucket["matrices"].items()}
+        out.update({f"{b}/{m}": e for b, bucket in buckets.items()
+                    for m, e in bucket.get("pending", {}).items()})
+        return out
+    return _sidecars(ckpt, iteration, read)
 
 
 def _pp_senders(ckpt, iteration: int) -> dict:
-    """Each rank's pipeline senders' ``(E, Q)`` in its sidecar of ``iteration``, by
-    matrix name (stage 1's; stage 0 sends no backward message)."""
-    import torch
-
-    folder = os.path.join(ckpt, f"iter_{iteration:07d}", "edgc")
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        state = torch.load(os.path.join(folder, name), weights_only=False)
-        pp = state["extensions"].get("pp_compression") or {"senders": {}}
-        out[name] = {m: (e["residual"], e["q"]) for sender in pp["senders"].values()
-                     for m, e in sender["matrices"].items()}
-    return out
+    """Each rank's pipeline senders' ``(E, Q)``, by matrix name (stage 1's; stage 0 sends
+    no backward message)."""
+    return _sidecars(ckpt, iteration, lambda ext: {
+        m: (e["residual"], e["q"])
+        for sender in (ext.get("pp_compression") or {"senders": {}})["senders"].values()
+        for m, e in sender["matrices"].items()})
 
 
 def test_a_save_before_the_optimizer_step_keeps_the_step_as_a_skip(megatron_lm, tmp_path):

@@ -284,3 +284,14 @@ def test_the_bypassing_modes_race_per_link_with_the_measured_link_declared(tmp_p
     assert peers.curves(data, "100mbit") == {"dense fp32": {1234: "dense"},
                                              "EDGC": {1234: "edgc at 100"}}
     assert peers.curves(data, "1gbit") == {"dense fp32": {1234: "dense"}}
+
+
+def test_a_long_race_reports_before_its_loss_runs():
+    """The race times first (issue 80): the report of a long race with timing runs and no
+    loss run yet says so instead of failing on the missing targets."""
+    import bench.peers as peers
+
+    data = {"loss": {}, "loss_at": {}, "time": {"100mbit": {"EDGC": [{}]}}, "session": None}
+    assert peers.levels_table(data) == "(no loss run of dense fp32 yet)"
+    table, verdicts = peers.report(data)
+    assert len(table.splitlines()) == 2 and verdicts["100mbit"]["vs_peer"] == {}

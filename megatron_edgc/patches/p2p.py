@@ -2,12 +2,9 @@
 
 megatron-core 0.14+'s schedules take a ``p2p_communicator=`` argument and route every
 pipeline transfer through its ``_communicate``; :class:`CompressingP2PCommunicator`
-overrides that one method. (0.13.x has no communicator class: its schedules call
-``p2p_communication``'s module-level functions, which all go through a module-level
-``_communicate``; there the same class stands on :class:`_ModuleLevelP2PCommunicator` and
-the schedules are adapted to route that function to it, see
-:func:`install_schedule_adapter`.) Forward activations go out untouched (megatron-core's own
-code path). A backward activation gradient ``[seq, micro_batch, hidden]`` is sent, when
+overrides that one method (0.13.x's module-level ``_communicate`` is routed to the same
+class on :class:`_ModuleLevelP2PCommunicator`: :func:`install_schedule_adapter`). Forward
+activations go out untouched. A backward activation gradient ``[seq, micro_batch, hidden]`` is sent, when
 compressed, as one fp32 message ``[header | P^ | Q]`` (``compression/activation.py``:
 lazy error propagation, warm-started power iteration); the receiver rebuilds ``P^ Qᵀ``
 into the tensor the schedule gets. With ``overlap_p2p_comm`` (interleaved schedule) the
@@ -295,8 +292,7 @@ class CompressingP2PCommunicator(_P2PBase):
                 sender.set_rank(rank)
 
     def begin_iteration(self) -> None:
-        """Before each run of an iteration's schedule: the message counters restart, and
-        each sender rolls back a mark still held and marks anew (the one rule)."""
+        """Before each run of a schedule: counters restart, each sender marks anew."""
         self.send_count = self.recv_count = 0
         self.stats.reset()
         self._received = []
