@@ -114,10 +114,10 @@ def test_two_level_cluster_shapes_only_the_links_between_instances(tmp_path, pha
 SLOW_AT, FAST_AT, WINDOW, ITERS = 8, 18, 4, 28
 
 
-def bypass_job(corpus_data, metrics, per_namespace: int, iters: int) -> list:
+def bypass_job(corpus_data, metrics, per_namespace: int, iters: int, rank: int = 16) -> list:
     """The bypass's test job: 4 ranks of the tiny model (2 layers, fp32), DP 4 (two
-    distributed-optimizer instances of 2 where ``per_namespace`` is 2), static r16 with the
-    bypass on, its link refitted every ``WINDOW`` iterations and every window's first
+    distributed-optimizer instances of 2 where ``per_namespace`` is 2), static at ``rank``
+    with the bypass on, its link refitted every ``WINDOW`` iterations and every window's first
     iteration sent the other way."""
     layout = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "4"]
     if per_namespace > 1:
@@ -128,7 +128,7 @@ def bypass_job(corpus_data, metrics, per_namespace: int, iters: int) -> list:
             "--tokenizer-type", "CorpusBPETokenizer", "--num-layers", "2", "--no-bf16",
             "--train-iters", str(iters), "--lr-warmup-iters", "2", "--eval-interval", "1000",
             "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics),
-            "--edgc-mode", "static", "--edgc-rank", "16", "--edgc-bypass", "auto",
+            "--edgc-mode", "static", "--edgc-rank", str(rank), "--edgc-bypass", "auto",
             "--edgc-link-window", str(WINDOW), "--edgc-link-explore", "1"]
 
 
@@ -196,29 +196,33 @@ def test_the_bypass_follows_a_link_that_changes(corpus_data, tmp_path, per_names
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-@pytest.mark.parametrize("rate,per_namespace", [("25mbit", 1), ("1gbit", 2)],
-                         ids=["25mbit-flat", "1gbit-two-level"])
+@pytest.mark.parametrize("rate,per_namespace,rank",
+                         [("25mbit", 1, 16), ("2gbit", 1, 16), ("2gbit", 2, 32)],
+                         ids=["25mbit-flat-r16", "2gbit-flat-r16", "2gbit-two-level-r32"])
 def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
-                                                    per_namespace):
+                                                    per_namespace, rank):
     """Issue 80: the bypass's prices of both choices against their measured syncs, in one
     job on a shaped link: every window's first iteration sends the bucket the other way
     (``--edgc-link-explore 1``), so both are measured in the job. What decides is the
     difference of the two (the wait for the slowest replica and, on the two-level hop,
     the dense reduce-scatter inside the instance are in both measured syncs and in
-    neither price): predicted within 25 % of the slower choice's measured sync, and the
-    decision in force the faster choice measured, from the first refit on. AMD EPYC of
-    family 25, 2 cores, measured dense / compressed against predicted: 25 Mbit flat
-    663 / 118 ms against 649 / 163 alone, 685 / 197 against 658 / 248 beside two busy
-    processes; 1 Gbit two-level 37 / 68 against 12 / 33 alone, 74 / 120 against 14 / 48
-    beside them (at 100 Mbit flat 175 / 85 against 167 / 87 alone, but a tie beside them:
-    no clear choice to assert). The same link declared to a job on loopback
-    (``--edgc-link-gbps``, ``--edgc-link-latency-ms``: the rate and latency the job
-    measured) decides alike."""
+    neither price; the compressed path's own collectives inside the instance are in its
+    price, as its local work): predicted within 25 % of the slower choice's measured
+    sync, and the decision in force the faster choice measured, from the first refit on.
+    One case where compressing pays and two where it costs (flat, and two-level at r32). Measured dense / compressed
+    against predicted, ms, AMD EPYC family 25 model 17 (2 cores), 2026-12-05: 25 Mbit flat
+    660 / 86 against 644 / 127 alone, 664 / 109 against 647 / 140 beside two busy
+    processes; 2 Gbit flat 20 / 36 against 12 / 29 alone, 36 / 78 against 19 / 55 beside
+    them; 2 Gbit two-level 18 / 36 against 6 / 27 alone, 35 / 73 against 6 / 36 beside
+    them (before the instance's collectives were priced, 1 Gbit two-level read 23 / 37
+    against 10 / 13 alone: a tie predicted where dense was clearly faster). The same link
+    declared to a job on loopback (``--edgc-link-gbps``, ``--edgc-link-latency-ms``: the
+    rate and latency the job measured) decides alike."""
     import json
     import statistics
 
     metrics, log = tmp_path / "m.jsonl", tmp_path / "ranks.log"
-    argv = bypass_job(corpus_data, metrics, per_namespace, 24)
+    argv = bypass_job(corpus_data, metrics, per_namespace, 24, rank)
     with ShapedNetwork(4, rate, ranks_per_namespace=per_namespace) as net:
         with open(log, "w") as out:
             codes = net.run(argv, env={"OMP_NUM_THREADS": "1"}, timeout=240, stdout=out,
@@ -245,7 +249,7 @@ def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
     twin_metrics = tmp_path / "declared.jsonl"
     link = {"--edgc-link-gbps": records[-1]["dp_link_gbps"],
             "--edgc-link-latency-ms": records[-1]["dp_link_alpha_ms"]}
-    twin = bypass_job(corpus_data, twin_metrics, per_namespace, 12)
+    twin = bypass_job(corpus_data, twin_metrics, per_namespace, 12, rank)
     twin[-1:] = ["1"] + [str(v) for kv in link.items() for v in kv]
     proc = warm.run([twin[0], "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "4", *twin[1:]], cwd=ROOT, timeout=240,

@@ -64,8 +64,14 @@ def all_gather(out, buf, group) -> Collective:
 
 @dataclass
 class Phase:
+    """The collectives a strategy issues together. ``inline``: waited for at once (module
+    docstring), and then the bucket's local work, off the link the bypass prices, unless
+    ``common``: a phase every choice of the bucket runs alike (the fast hop's dense
+    reduce-scatter), which decides nothing between them."""
+
     collectives: list = field(default_factory=list)
     inline: bool = False
+    common: bool = False
 
 
 Strategy = Generator[Phase, None, Optional[torch.Tensor]]
@@ -84,7 +90,10 @@ class BucketPipeline:
     """The strategies of one bucket group in flight, between ``start_grad_sync`` and
     ``finish_grad_sync`` (module docstring). ``stats`` gets the bytes of every collective
     (sent; dense bytes are the caller's), the time in the strategies' math
-    (``compress_s``) and in issuing and waiting (``comm_s``), and the non-finite flags;
+    (``compress_s``) and in issuing and waiting (``comm_s``), each bucket's local work
+    (its math, and its inline phases but the common ones: collectives inside a
+    distributed-optimizer instance, off the link the bypass prices), and the non-finite
+    flags;
     each collective on a group of ``timed_links`` (``{id(group): link index}``) is stamped
     at its issue and its completion (the bypass's link model)."""
 
@@ -108,11 +117,11 @@ class BucketPipeline:
                 if turn is not None:
                     self._turns.append(turn)
 
-    def _wait(self, handles: list) -> None:
+    def _wait(self, handles: list, key: Optional[str] = None) -> None:
         t0 = self.stats.clock.stamp()
         for handle in handles:
             handle.wait()
-        self.stats.add_time("comm_s", t0)
+        self.stats.add_time("comm_s", t0, key)
 
     def _advance(self, turn: _Turn) -> Optional[_Turn]:
         """Run the strategy to its next phase that is not inline and issue that phase;
@@ -141,7 +150,11 @@ class BucketPipeline:
                                               self._phases, turn.dense)
                 stats.add_bytes(c.nbytes, 0, turn.expert, c.slow_hop)
                 stats.collectives += 1
-            stats.add_time("comm_s", t0)
             if not phase.inline:
+                stats.add_time("comm_s", t0)
                 return turn
-            self._wait(turn.handles)
+            # an inline phase (inside the instance) is the bucket's local work too: what
+            # its choice spends off the priced link
+            key = None if phase.common else turn.key
+            stats.add_time("comm_s", t0, key)
+            self._wait(turn.handles, key)

@@ -84,7 +84,7 @@ class BucketPlan:
         """The instance's dense reduce-scatter: this rank's shard summed over the
         instance, in place (as megatron-core does)."""
         yield Phase([reduce_scatter(self.shard(), self.bucket.grad_data, self.reduction.intra)],
-                    inline=True)
+                    inline=True, common=True)
 
     def scales_in_cast(self, dense: bool) -> bool:
         """Whether a sync of this bucket scales its gradients in the cast to the dense wire

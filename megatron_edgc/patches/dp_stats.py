@@ -51,7 +51,8 @@ class DPSyncStats:
     predicted_local: dict = field(default_factory=dict)
     explored: bool = False   # the bypass sent every bucket the other way (it measures it)
     #: ``{key: seconds}``: each bucket's local work this step (its strategy's math between
-    #: collectives: compression, or the dense path's casts), from :meth:`resolve_all`
+    #: collectives: compression, or the dense path's casts; and its collectives
+    #: inside a distributed-optimizer instance, off the priced link), from :meth:`resolve_all`
     local_s: dict = field(default_factory=dict)
     compressed: bool = False
     link_gbps: float = float("nan")  # the bypass's link rate in use (all-reduce payload)
