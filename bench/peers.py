@@ -130,12 +130,15 @@ BF16_DENSE = ["--edgc-dense-wire", "bf16"]
 #: bf16 mixed precision with bf16 gradient buffers (Megatron-LM's --grad-reduce-in-bf16):
 #: every dense sync is bf16 already; its fair peer is bf16 on the wire.
 BF16_GRADS = ["--bf16", "--grad-reduce-in-bf16"]
+#: The fp32 modes say so: unset, the trainer's precision follows the CPU (bf16 where it has
+#: bf16 instructions, issue 80), which trained them in bf16 on such a CPU.
+FP32 = ["--no-bf16"]
 
 
 def modes() -> dict:
-    """name -> (script, flags)."""
+    """name -> (script, flags), every mode's precision set (:func:`precision`)."""
     static = ["--edgc-mode", "static", "--edgc-start-iter", "2", "--edgc-bypass", "auto"]
-    return {
+    table = {
         # trained in fp32
         "dense fp32": (TRAINER, ["--edgc-mode", "off"]),
         "torch DDP fp32": (DDP, ["--hook", "allreduce"]),
@@ -167,6 +170,8 @@ def modes() -> dict:
         "hook r_max bf16 model": (DDP, ["--hook", "powersgd-bf16", "--hook-rank", str(R_MAX),
                                         "--bf16"]),
     }
+    return {name: (script, flags + (FP32 if precision(name) == "fp32" else []))
+            for name, (script, flags) in table.items()}
 
 
 #: Timing-only modes: their loss curve is this mode's (the same math).

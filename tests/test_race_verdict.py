@@ -75,7 +75,7 @@ def test_the_diloco_tuning_grid_and_its_rule():
     assert "DiLoCo H8 tuned" not in peers.modes()
     peers.TUNED["8"] = {"flags": floor}
     try:
-        assert peers.modes()["DiLoCo H8 tuned"] == (peers.DDP, floor)
+        assert peers.modes()["DiLoCo H8 tuned"] == (peers.DDP, floor + peers.FP32)
         assert "DiLoCo H8" in peers.modes()
         # its per-iteration cost is the timed paper-setting DiLoCo's at H8, a warm-up arm's
         # too (its dense iterations priced as dense: the next test)
@@ -109,7 +109,7 @@ def test_the_staged_tuning_runs_eight_arms_per_h_and_picks_the_lowest(tmp_path, 
         result["chosen"]
     try:   # the race's command line then offers the tuned mode, with the chosen flags
         peers.load_tuned(str(tmp_path))
-        assert peers.modes()["DiLoCo H8 tuned"][1] == result["flags"]
+        assert peers.modes()["DiLoCo H8 tuned"][1] == result["flags"] + peers.FP32
     finally:
         peers.TUNED.clear()
 
@@ -295,3 +295,16 @@ def test_a_long_race_reports_before_its_loss_runs():
     assert peers.levels_table(data) == "(no loss run of dense fp32 yet)"
     table, verdicts = peers.report(data)
     assert len(table.splitlines()) == 2 and verdicts["100mbit"]["vs_peer"] == {}
+
+
+def test_every_mode_of_the_race_sets_its_precision():
+    """Issue 80: unset, the trainer's precision follows the CPU (bf16 where it has bf16
+    instructions), so a mode that leaves it unset trains in fp32 on one machine and in
+    bf16 on another (the race's fp32 static and EDGC loss runs did, on an AMD EPYC with
+    AVX512-BF16): every mode names its precision, the one its ratios are taken in."""
+    import bench.peers as peers
+
+    for name, (_, flags) in peers.modes().items():
+        said = [f for f in flags if f in ("--bf16", "--no-bf16")]
+        assert said == (["--bf16"] if peers.precision(name) == "bf16" else ["--no-bf16"]), \
+            (name, flags)
