@@ -213,9 +213,42 @@ def run_losses(out: str, iters: int, only=None, seeds=SEEDS, rates=RATES) -> Non
                     print(f"=== {name} @{rate}: no timing run measured the link yet "
                           f"(--phase time first)", flush=True)
                     continue
-                run_pretrain(f"{slug(name)}{'' if rate is None else '@' + rate}_seed{seed}",
-                             base_flags(iters, seed) + flags + link,
+                run = f"{slug(name)}{'' if rate is None else '@' + rate}_seed{seed}"
+                fresh = not os.path.exists(os.path.join(out, "loss", f"{run}.summary.json"))
+                run_pretrain(run, base_flags(iters, seed) + flags + link,
                              os.path.join(out, "loss"), iters, reuse=True, script=script)
+                if fresh:
+                    record_loss_machine(out, run)
+
+
+def record_loss_machine(out: str, run: str) -> None:
+    """The machine loss run ``run`` ran on, into ``out/loss/machines.json``: a long race's
+    loss runs span sessions, and machines (the timing names its own)."""
+    from bench.report import machine
+
+    path = os.path.join(out, "loss", "machines.json")
+    seen = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            seen = json.load(fh)
+    seen[run] = machine()
+    with open(path, "w") as fh:
+        json.dump(seen, fh, indent=1, sort_keys=True)
+
+
+def loss_machines(out: str) -> str:
+    """The machines of the recorded loss runs, with their counts (those run before
+    machines were recorded counted apart)."""
+    runs = [os.path.basename(p)[:-len(".summary.json")]
+            for p in glob.glob(os.path.join(out, "loss", "*.summary.json"))]
+    path = os.path.join(out, "loss", "machines.json")
+    seen = json.load(open(path)) if os.path.exists(path) else {}
+    counts = {}
+    for run in runs:
+        key = seen.get(run, "not recorded")
+        counts[key] = counts.get(key, 0) + 1
+    order = sorted(counts.items(), key=lambda kv: (kv[0] == "not recorded", -kv[1], kv[0]))
+    return "; ".join(f"{m}: {n}" for m, n in order)
 
 
 def declared_link(out: str, rate: str, mode: str):
@@ -957,7 +990,8 @@ def main() -> int:
             f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, seeds))}, an evaluation "
             f"every {eval_interval(args.loss_iters)} (a mode whose replicas meet every H "
-            f"iterations: at the last round's end before each), on loopback; this product's "
+            f"iterations: at the last round's end before each), on loopback (runs per "
+            f"machine: {loss_machines(args.out)}); this product's "
             f"modes at their defaults, the bypass (auto) deciding per link: their loss runs "
             f"per link, with the link their timing runs measured declared (rate and "
             f"latency). Timing: the loss run's config stopped after {args.time_iters} "

@@ -308,3 +308,27 @@ def test_every_mode_of_the_race_sets_its_precision():
         said = [f for f in flags if f in ("--bf16", "--no-bf16")]
         assert said == (["--bf16"] if peers.precision(name) == "bf16" else ["--no-bf16"]), \
             (name, flags)
+
+
+def test_each_loss_run_records_the_machine_it_ran_on(tmp_path, monkeypatch):
+    """Issue 80: a long race's loss runs span sessions and machines; each fresh run records
+    its machine (a reused one keeps the one it ran on), and the report counts them."""
+    import bench.peers as peers
+    import bench.report as report
+
+    def fake_run(name, flags, out, iters, reuse, script):
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.summary.json"), "w") as fh:
+            json.dump({}, fh)
+        return [], {}
+
+    monkeypatch.setattr(peers, "run_pretrain", fake_run)
+    monkeypatch.setattr(report, "machine", lambda: "CPU A")
+    peers.run_losses(str(tmp_path), 200, only=["dense fp32"], seeds=[1, 2])
+    monkeypatch.setattr(report, "machine", lambda: "CPU B")
+    peers.run_losses(str(tmp_path), 200, only=["dense fp32"], seeds=[2, 3])
+    seen = json.loads((tmp_path / "loss" / "machines.json").read_text())
+    assert seen == {"dense_fp32_seed1": "CPU A", "dense_fp32_seed2": "CPU A",
+                    "dense_fp32_seed3": "CPU B"}
+    (tmp_path / "loss" / "bf16_wire_seed1.summary.json").write_text("{}")
+    assert peers.loss_machines(str(tmp_path)) == "CPU A: 2; CPU B: 1; not recorded: 1"
