@@ -10,10 +10,10 @@ with each, from device stamps read at the flushes (:class:`~megatron_edgc.patche
 dp_stats.DPSyncStats`), MIN over the group's ranks (the last to arrive waits for nobody):
 no probe traffic in steady state, one small all-reduce per group and window. The local
 work of each choice is refitted the same way (issue 80): a compressed bucket's math from
-its own timed steps (the start-up ``a + b·rank`` scaled to them; on the slow hop with its
-collectives inside the instance, which the dense path does not run), a dense bucket's
-casts likewise, so that a machine whose math runs slower in the job than in the start-up timing
-(4 processes on 2 cores, a CPU without native bf16) prices what it runs. A bucket's
+its own timed steps (the start-up ``a + b·rank`` scaled to them; on the slow hop with
+its collectives inside the instance, which the dense path does not run), a dense
+bucket's casts likewise, so that a machine whose math runs slower in the job than in the
+start-up timing (4 processes on 2 cores, a CPU without native bf16) prices what it runs. A bucket's
 decision flips only when the other choice is predicted to win by ``hysteresis`` of the
 larger of saving and cost, so an estimate near the boundary does not flap."""
 
