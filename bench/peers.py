@@ -242,7 +242,10 @@ def loss_machines(out: str) -> str:
     runs = [os.path.basename(p)[:-len(".summary.json")]
             for p in glob.glob(os.path.join(out, "loss", "*.summary.json"))]
     path = os.path.join(out, "loss", "machines.json")
-    seen = json.load(open(path)) if os.path.exists(path) else {}
+    seen = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            seen = json.load(fh)
     counts = {}
     for run in runs:
         key = seen.get(run, "not recorded")
