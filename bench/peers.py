@@ -46,9 +46,10 @@ Two kinds of runs, composed, the timing first:
    rank, bench/netns.py): each mode's loss-run config stopped after ``--time-iters``
    iterations (96: whole outer rounds of every DiLoCo and local SGD, EDGC's dense warm-up
    and two windows), 3 repetitions interleaved (every mode once per repetition), in one
-   timing session on one version of the timed code (``timing_session``: runs of other
-   code are moved aside, never reused; the section names the session's code, start and
-   CPU), its steady ms/iter (after its warm-up, over whole outer rounds), DP sync, bytes
+   timing session per precision on one version of the timed code (``timing_session``:
+   runs of other code are moved aside, never reused; bf16 on a CPU with bf16
+   instructions, which the fp32 session's need not be; the section names each session's
+   code, start and CPU), its steady ms/iter (after its warm-up, over whole outer rounds), DP sync, bytes
    and the bypass's decisions (:func:`dense_share`). EDGC's dense warm-up iterations of
    the loss run are priced at the mode's own measured warm-up ms/iter (iterations 3 to
    its end).
@@ -260,7 +261,8 @@ def declared_link(out: str, rate: str, mode: str):
     each run's last refit); None before a timing run recorded one. A loss run on loopback
     given them decides as on that link (tests/test_netns.py checks it)."""
     links = []
-    for path in sorted(glob.glob(os.path.join(out, "time", rate, f"{slug(mode)}_rep*.jsonl"))):
+    folder = os.path.join(time_folder(out, precision(mode)), rate)
+    for path in sorted(glob.glob(os.path.join(folder, f"{slug(mode)}_rep*.jsonl"))):
         with open(path) as fh:
             last = [r for r in map(json.loads, filter(str.strip, fh)) if "dp_link_alpha_ms" in r]
         if last:
@@ -454,16 +456,30 @@ def code_version() -> str:
         "-dirty" if git("status", "--porcelain", "-uno", "--", *TIMED_CODE) else "")
 
 
-def timing_session(out: str, code: str) -> dict:
-    """The one timing session of ``out`` (issue 72: every mode timed in one session, on
-    the landed code): ``out/time/session.json``. Runs timed on other code are moved aside
-    to ``out/time-<code>/`` (kept, never read, never reused) and a new session starts."""
+#: Each precision's timing session, a folder of ``out``: ratios are taken within one
+#: precision, and bf16 is timed only on a CPU with bf16 instructions (a CPU without them
+#: converts every bf16 operand, 4-80x slower: issue 80), which need not be the fp32 one's.
+TIME_DIRS = {"fp32": "time", "bf16": "time-bf16"}
+
+
+def time_folder(out: str, prec: str) -> str:
+    """Where ``out``'s modes trained in ``prec`` are timed: their session's folder, or
+    ``time/`` in a race timed before each precision had a session of its own."""
+    folder = os.path.join(out, TIME_DIRS[prec])
+    return folder if os.path.isdir(folder) else os.path.join(out, "time")
+
+
+def timing_session(out: str, code: str, prec: str = "fp32") -> dict:
+    """The one timing session of ``out``'s modes trained in ``prec`` (issue 72: every mode
+    of a precision timed in one session, on the landed code): ``out/<TIME_DIRS[prec]>/
+    session.json``. Runs timed on other code are moved aside to ``<that folder>-<code>/``
+    (kept, never read, never reused) and a new session starts."""
     import datetime
     import shutil
 
     from bench.report import machine
 
-    folder = os.path.join(out, "time")
+    folder = os.path.join(out, TIME_DIRS[prec])
     path = os.path.join(folder, "session.json")
     session = None
     if os.path.exists(path):
@@ -472,7 +488,7 @@ def timing_session(out: str, code: str) -> dict:
     elif os.path.isdir(folder) and os.listdir(folder):
         session = {"code": "unknown"}   # timed before sessions were recorded
     if session is not None and session["code"] != code:
-        shutil.move(folder, os.path.join(out, f"time-{session['code']}"))
+        shutil.move(folder, f"{folder}-{session['code']}")
         session = None
     if session is None:
         os.makedirs(folder, exist_ok=True)
@@ -481,6 +497,19 @@ def timing_session(out: str, code: str) -> dict:
         with open(path, "w") as fh:
             json.dump(session, fh)
     return session
+
+
+def sessions_text(sessions: dict) -> str:
+    """Each precision's timing session as the section names it: its code, start and CPU
+    (one session named once, with every precision it timed)."""
+    precs: dict = {}
+    for prec, v in sessions.items():
+        precs.setdefault(json.dumps(v, sort_keys=True), []).append(prec)
+    return "; ".join(
+        f"{' and '.join(p)}: " + (f"code {v['code']}, started {v['started']}, "
+                                  f"{v.get('machine', '?')}" if "started" in v else
+                                  "timed before sessions were recorded")
+        for v, p in ((json.loads(k), p) for k, p in precs.items())) or "none recorded"
 
 
 def round_length(flags: list) -> int:
@@ -514,9 +543,19 @@ def check_time_iters(time_iters: int, loss_iters: int) -> None:
 def run_timing(out: str, iters: int, time_iters: int, only=None, rates=RATES,
                repeats=REPEATS) -> None:
     """Every mode on each shaped link, its loss run's config (``iters``) stopped after
-    ``time_iters`` (``--exit-interval``), ``repeats`` times interleaved."""
-    timing_session(out, code_version())
+    ``time_iters`` (``--exit-interval``), ``repeats`` times interleaved, in its precision's
+    timing session (:func:`timing_session`; a precision none of ``only`` trains in is not
+    touched)."""
     port = 29700
+    for prec, folder in TIME_DIRS.items():
+        chosen = {name: run for name, run in modes().items()
+                  if precision(name) == prec and (not only or name in only)}
+        if chosen:
+            timing_session(out, code_version(), prec)
+            port = _time_modes(out, folder, chosen, iters, time_iters, rates, repeats, port)
+
+
+def _time_modes(out, folder, chosen, iters, time_iters, rates, repeats, port) -> int:
     for rate in rates:
         try:
             net_cm = ShapedNetwork(4, rate)
@@ -525,8 +564,8 @@ def run_timing(out: str, iters: int, time_iters: int, only=None, rates=RATES,
             raise SystemExit(f"the timing runs need tbf-shaped namespaces (root): {exc}")
         try:
             for rep in range(repeats):
-                for name, (script, flags) in modes().items():
-                    if (only and name not in only) or not on_link(name, rate):
+                for name, (script, flags) in chosen.items():
+                    if not on_link(name, rate):
                         continue
                     port += 1
 
@@ -537,10 +576,11 @@ def run_timing(out: str, iters: int, time_iters: int, only=None, rates=RATES,
 
                     run_pretrain(f"{slug(name)}_rep{rep}", base_flags(iters, SEEDS[0]) + flags
                                  + ["--exit-interval", str(time_iters)],
-                                 os.path.join(out, "time", rate), iters, reuse=True,
+                                 os.path.join(out, folder, rate), iters, reuse=True,
                                  script=script, launch=launch)
         finally:
             net_cm.close()
+    return port
 
 
 # ---------------------------------------------------------------- reading the runs
@@ -650,12 +690,14 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
             curves.setdefault(names[mode], {})[int(seed)] = \
                 read_run(os.path.splitext(path[:-len(".summary.json")])[0] + ".jsonl")[0]
     timing: dict = {}
-    for rate in RATES:
-        for path in sorted(glob.glob(os.path.join(time_dir or out, "time", rate,
-                                                  "*_rep*.summary.json"))):
+    sessions: dict = {}
+    for rate, prec in ((r, p) for r in RATES for p in TIME_DIRS):
+        folder = time_folder(time_dir or out, prec)
+        for path in sorted(glob.glob(os.path.join(folder, rate, "*_rep*.summary.json"))):
             stem = os.path.basename(path)[:-len(".summary.json")]
             mode, _ = stem.rsplit("_rep", 1)
-            if mode in names:
+            if mode in names and precision(names[mode]) == prec:
+                sessions[prec] = os.path.join(folder, "session.json")
                 recs, _ = read_run(path[:-len(".summary.json")] + ".jsonl")
                 timing.setdefault(rate, {}).setdefault(names[mode], []).append(
                     timing_figures(recs, round_length(modes()[names[mode]][1])))
@@ -671,11 +713,12 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
             twin = timed_as(mode, flags)
             if mode not in rate_timing and twin in rate_timing:
                 rate_timing[mode] = rate_timing[twin]
-    session = os.path.join(time_dir or out, "time", "session.json")
-    data = {"loss": loss, "loss_at": loss_at, "time": timing, "session": None}
-    with contextlib.suppress(OSError):
-        with open(session) as fh:
-            data["session"] = json.load(fh)
+    data = {"loss": loss, "loss_at": loss_at, "time": timing, "session": {}}
+    for prec, path in sessions.items():   # each timed precision's session
+        data["session"][prec] = {}
+        with contextlib.suppress(OSError):
+            with open(path) as fh:
+                data["session"][prec] = json.load(fh)
     return data
 
 
@@ -1000,11 +1043,8 @@ def main() -> int:
             f"latency). Timing: the loss run's config stopped after {args.time_iters} "
             f"iterations (whole outer rounds of every mode) per link "
             f"(tbf-shaped veth per rank), {repeats} repetitions, every mode once per "
-            f"repetition, in one timing session"
-            + (f" (code {data['session']['code']}, started {data['session']['started']}, "
-               f"{data['session'].get('machine', '?')})" if data.get("session") and
-               "started" in data["session"] else " (timed before sessions were recorded)")
-            + f"; ms/iter, DP sync, "
+            f"repetition, in one timing session per precision "
+            f"({sessions_text(data.get('session') or {})}); ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
             f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
             f"link's ms/iter, to dense fp32's val loss at {TARGET_FRACTION:.0%} of its run, the "

@@ -51,6 +51,44 @@ def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
     assert second["code"] == "bbbb"
     assert (tmp_path / "time-aaaa" / "1gbit" / "EDGC_rep0.summary.json").exists()
     assert json.loads((tmp_path / "time" / "session.json").read_text()) == second
+    # the modes trained in bf16 have a session of their own (timed on a CPU with bf16
+    # instructions): starting it leaves the fp32 session alone
+    bf16 = timing_session(out, "cccc", "bf16")
+    assert bf16["code"] == "cccc" and (tmp_path / "time-bf16" / "session.json").exists()
+    assert timing_session(out, "bbbb") == second
+
+
+def test_each_precision_is_read_from_its_own_session(tmp_path):
+    """The report prices a mode from its precision's timing session only, and names each
+    session; a race timed before the split (one ``time/`` for both) still reads."""
+    import json
+
+    import bench.peers as peers
+
+    def timed(folder, mode, ms):
+        (tmp_path / folder / "100mbit").mkdir(parents=True, exist_ok=True)
+        records = [{"iteration": i, "iter_ms": ms, "grad_sync_ms": 1.0,
+                    "dp_bytes_sent_job": 2**20} for i in range(1, 5)]
+        (tmp_path / folder / "100mbit" / f"{mode}_rep0.jsonl").write_text(
+            "\n".join(map(json.dumps, records)))
+        (tmp_path / folder / "100mbit" / f"{mode}_rep0.summary.json").write_text("{}")
+
+    timed("time", "dense_fp32", 10.0)
+    timed("time", "dense_bf16", 99.0)        # a legacy run: read while no bf16 session exists
+    data = peers.collect(str(tmp_path), 200, 4)
+    assert data["time"]["100mbit"]["dense bf16"][0]["iter_ms"] == 99.0
+    assert peers.sessions_text(data["session"]) == "fp32 and bf16: timed before sessions " \
+        "were recorded"
+    timed("time-bf16", "dense_bf16", 7.0)
+    for prec, code in (("fp32", "aaaa"), ("bf16", "bbbb")):
+        (tmp_path / peers.TIME_DIRS[prec] / "session.json").write_text(json.dumps(
+            {"code": code, "started": "2026-12-05 22:00 UTC", "machine": f"CPU {code}"}))
+    data = peers.collect(str(tmp_path), 200, 4)
+    assert [f["iter_ms"] for f in data["time"]["100mbit"]["dense bf16"]] == [7.0]
+    assert [f["iter_ms"] for f in data["time"]["100mbit"]["dense fp32"]] == [10.0]
+    assert peers.sessions_text(data["session"]) == (
+        "fp32: code aaaa, started 2026-12-05 22:00 UTC, CPU aaaa; "
+        "bf16: code bbbb, started 2026-12-05 22:00 UTC, CPU bbbb")
 
 
 def test_the_diloco_tuning_grid_and_its_rule():
