@@ -148,6 +148,7 @@ def model_fragments(model, count: int) -> list:
 
     if count == 1:
         return [model]
+    model = getattr(model, "module", model)   # a bf16 model's Float16Module
     pieces = [model.embedding, *model.decoder.layers, model.decoder.final_layernorm]
     if getattr(model, "output_layer", None) is not None:
         pieces.append(model.output_layer)
@@ -311,6 +312,13 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                          max_sequence_length=m.max_position_embeddings, pre_process=True,
                          post_process=True, share_embeddings_and_output_weights=True,
                          position_embedding_type="learned_absolute").to(device)
+        if bf16:
+            # as Megatron-LM's get_model (and the trainer): every parameter in bf16, the
+            # local spec's torch LayerNorm included (built in fp32, it fed the next linear
+            # fp32 activations: "expected m1 and m2 to have the same dtype")
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(model.config, model)
         dp_group = parallel_state.get_data_parallel_group()
         # Megatron's bucketing (default bucket: max(40M, 1M x DP) elements). It also keeps
         # PyTorch's hook working on gloo: with several buckets its chained all-reduces of P
