@@ -102,6 +102,8 @@ OURS = ("ours dense bf16 wire", "static r_max", "EDGC", "static r_max bf16", "ED
 #: The modes trained in bf16 (bf16 mixed precision, bf16 gradient buffers); the rest fp32.
 #: Ratios are taken within a precision.
 BF16_TRAINED = ("dense bf16", "static r_max bf16", "EDGC bf16 grads", "hook r_max bf16 model")
+#: The bf16-trained peers with bf16 parameters only (torch DDP: no fp32 main weights).
+BF16_MODEL = ("hook r_max bf16 model",)
 #: This product's modes whose bypass decides per link (``--edgc-bypass auto``): their loss
 #: runs are per link, on loopback with the link the timing measured declared to the bypass
 #: (:func:`declared_link`), so each link's curve takes that link's decisions.
@@ -1031,9 +1033,11 @@ def main() -> int:
     seeds = sorted({s for runs in data["loss"].values() for s in runs}
                    | {s for at in data["loss_at"].values() for runs in at.values() for s in runs})
     long_run = args.loss_iters != 200   # a long race: its own section beside the race's
-    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for "
-            f"every mode but {', '.join(BF16_TRAINED)} (bf16 mixed precision, bf16 gradient "
-            f"buffers; why: bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
+    mixed = [m for m in BF16_TRAINED if m not in BF16_MODEL]
+    body = (f"`configs/tiny-cpu.yaml` at TP1·PP1·DP4; fp32 training for every mode but "
+            f"{', '.join(mixed)} (bf16 mixed precision, bf16 gradient buffers) and "
+            f"{', '.join(BF16_MODEL)} (a bf16 model without fp32 main weights; why: "
+            f"bench/peers.py's docstring); r_max {R_MAX}. Loss curves: "
             f"{args.loss_iters} iterations, seeds {', '.join(map(str, seeds))}, an evaluation "
             f"every {eval_interval(args.loss_iters)} (a mode whose replicas meet every H "
             f"iterations: at the last round's end before each), on loopback (runs per "
