@@ -25,6 +25,20 @@ def test_a_verdict_needs_the_whole_range_on_one_side_of_one():
     assert ratio_verdict([1.0004, 1.04, 1.08]) == "1.0400 (1.0004–1.0800)× slower"
 
 
+def test_the_goal_is_judged_by_the_same_rule():
+    from bench.peers import goal_table, goal_verdict
+    assert goal_verdict([0.56, 0.61, 0.68], 0.85) == "0.61 (0.56–0.68)× ≤ 0.85: met"
+    assert goal_verdict([0.86, 0.87, 0.89], 0.85) == "0.87 (0.86–0.89)× ≤ 0.85: missed"
+    assert goal_verdict([0.80, 0.87, 0.89], 0.85) == "0.87 (0.80–0.89)× ≤ 0.85: open"
+    assert goal_verdict([0.95, 0.97, 1.0], 1.0) == "0.97 (0.95–1.00)× ≤ 1: met"   # at the bound
+    # a range that rounds onto the bound takes more digits
+    assert goal_verdict([0.8504, 0.86], 0.85) == "0.8552 (0.8504–0.8600)× ≤ 0.85: missed"
+    table = goal_table({"100mbit": {"best_peer": {"fp32": "hook r_max", "bf16": "dense bf16"},
+                                    "vs_peer": {"EDGC bf16 grads": [0.6, 0.7]}}})
+    assert "| 100 Mbit | bf16 | dense bf16 | 0.65 (0.60–0.70)× ≤ 0.85: met |" in table
+    assert "| 100 Mbit | fp32 | hook r_max | no pairs |" in table
+
+
 def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
     """Timing runs of another commit (or of before sessions were recorded) are moved
     aside, never reused; runs of the same code are kept for the session to go on."""
