@@ -866,6 +866,18 @@ GOAL = {"100mbit": 0.85, "300mbit": 0.85, "1gbit": 1.0}
 EDGC_OF = {"fp32": "EDGC", "bf16": "EDGC bf16 grads"}
 
 
+def time_split(ttt: dict, iters_to: dict, loss: dict, mode: str, peer: str) -> dict:
+    """Where ``mode``'s time to target against ``peer``'s goes: the ratio of their
+    iterations to the target per seed, and of their priced time per iteration per (seed,
+    repetition) pair (the time ratio over the seed's iteration ratio)."""
+    seeds = {m: dict(zip(sorted(loss[m]), iters_to[m])) for m in (mode, peer)}
+    its = {s: seeds[mode][s] / seeds[peer][s] for s in seeds[mode] if s in seeds[peer]
+           and None not in (seeds[mode][s], seeds[peer][s])}
+    keys = sorted(k for k in set(ttt[mode]) & set(ttt[peer]) if k[0] in its)
+    return {"iterations": [its[s] for s in sorted(its)],
+            "per_iteration": [ttt[mode][k] / ttt[peer][k] / its[k[0]] for k in keys]}
+
+
 def goal_verdict(ratios: list, bound: float) -> str:
     """The one rule against the goal's bound: "met" only where every paired ratio is at or
     below it, "missed" only where every one is above, "open" otherwise."""
@@ -883,13 +895,17 @@ def goal_table(verdicts: dict) -> str:
     """EDGC against the fastest peer of its precision on each link, judged against the
     goal by the one rule (``verdicts`` as :func:`report` returns them)."""
     lines = ["| link | trained in | fastest peer | EDGC's time to target over it, paired, "
-             "against the goal |", "|---" * 4 + "|"]
+             "against the goal | of which: iterations to target over the peer's, per seed | "
+             "and priced time per iteration over the peer's, paired |", "|---" * 6 + "|"]
     for rate, v in verdicts.items():
         for prec, edgc in EDGC_OF.items():
             ratios = v["vs_peer"].get(edgc)
             cell = goal_verdict(ratios, GOAL[rate]) if ratios else "no pairs"
+            split = v.get("split", {}).get(edgc) or {}
             lines.append(f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | "
-                         f"{prec} | {v['best_peer'].get(prec) or '—'} | {cell} |")
+                         f"{prec} | {v['best_peer'].get(prec) or '—'} | {cell} | "
+                         f"{spread(split.get('iterations', []), '.3f')} | "
+                         f"{spread(split.get('per_iteration', []), '.3f')} |")
     return "\n".join(lines)
 
 
@@ -912,7 +928,7 @@ def report(data: dict) -> tuple[str, dict]:
         for prec in ("fp32", "bf16"):
             best[prec] = fastest_peer({m: v for m, v in ttt.items() if m not in OURS
                                        and precision(m) == prec})
-        verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}}
+        verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}, "split": {}}
         for mode in modes():
             figs = data["time"][rate].get(mode)
             if not figs or not loss.get(mode):   # timed, no curve of this length
@@ -928,6 +944,9 @@ def report(data: dict) -> tuple[str, dict]:
             if ratios:
                 vs = "1 (best peer)" if mode == best[prec] else ratio_verdict(ratios)
                 verdicts[rate]["vs_peer"][mode] = ratios
+                if mode == EDGC_OF[prec]:
+                    verdicts[rate]["split"][mode] = time_split(ttt, iters_to, loss, mode,
+                                                               best[prec])
             static = STATIC_OF[prec]
             if mode in OURS and mode != static and "dense" not in mode:
                 ratios = paired(ttt, mode, static)

@@ -35,8 +35,24 @@ def test_the_goal_is_judged_by_the_same_rule():
     assert goal_verdict([0.8504, 0.86], 0.85) == "0.8552 (0.8504–0.8600)× ≤ 0.85: missed"
     table = goal_table({"100mbit": {"best_peer": {"fp32": "hook r_max", "bf16": "dense bf16"},
                                     "vs_peer": {"EDGC bf16 grads": [0.6, 0.7]}}})
-    assert "| 100 Mbit | bf16 | dense bf16 | 0.65 (0.60–0.70)× ≤ 0.85: met |" in table
-    assert "| 100 Mbit | fp32 | hook r_max | no pairs |" in table
+    assert "| 100 Mbit | bf16 | dense bf16 | 0.65 (0.60–0.70)× ≤ 0.85: met | — | — |" in table
+    assert "| 100 Mbit | fp32 | hook r_max | no pairs | — | — |" in table
+
+
+def test_the_time_to_target_splits_into_iterations_and_their_cost():
+    from bench.peers import time_split
+    # seed 1: EDGC needs 1.1x the peer's iterations; seed 2: 0.9x; two repetitions each
+    ttt = {"EDGC": {(1, 0): 110.0, (1, 1): 121.0, (2, 0): 72.0, (2, 1): 90.0},
+           "peer": {(1, 0): 100.0, (1, 1): 100.0, (2, 0): 100.0, (2, 1): 100.0}}
+    iters = {"EDGC": [1100, 900], "peer": [1000, 1000]}
+    loss = {"EDGC": {1: [], 2: []}, "peer": {1: [], 2: []}}
+    split = time_split(ttt, iters, loss, "EDGC", "peer")
+    assert split["iterations"] == pytest.approx([1.1, 0.9])
+    # each pair's time ratio is its seed's iteration ratio times the per-iteration one
+    assert split["per_iteration"] == pytest.approx([1.0, 1.1, 0.8, 1.0])
+    for (seed, rep), cost in zip(sorted(ttt["EDGC"]), split["per_iteration"]):
+        assert ttt["EDGC"][(seed, rep)] / ttt["peer"][(seed, rep)] == pytest.approx(
+            cost * split["iterations"][seed - 1])
 
 
 def test_one_timing_session_per_race_on_the_landed_code(tmp_path, monkeypatch):
