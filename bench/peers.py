@@ -840,12 +840,18 @@ def ratio_verdict(ratios: list) -> str:
     "not resolved" otherwise (not "no difference": the spread does not show one)."""
     if not ratios:
         return "—"
-    word = "faster" if max(ratios) < 1.0 else "slower" if min(ratios) > 1.0 else \
-        "not resolved"
-    # as many digits as the printed range needs to show the rule (0.998 is not "1.00")
+    return judged_range(ratios, lambda lo, hi: "faster" if hi < 1.0 else
+                        "slower" if lo > 1.0 else "not resolved")
+
+
+def judged_range(ratios: list, word_of) -> str:
+    """``median (min–max)× word``, ``word_of(min, max)`` the rule's word, printed with as many
+    digits as the range needs to show it (0.998 is not "1.00": the printed bounds give the
+    same word as the measured ones)."""
+    word = word_of(min(ratios), max(ratios))
     for digits in range(2, 7):
-        lo, hi = (float(format(v, f".{digits}f")) for v in (min(ratios), max(ratios)))
-        if (word != "faster" or hi < 1.0) and (word != "slower" or lo > 1.0):
+        if word_of(*(float(format(v, f".{digits}f")) for v in (min(ratios), max(ratios)))) \
+                == word:
             break
     return spread(ratios, f".{digits}f") + "× " + word
 
@@ -881,14 +887,8 @@ def time_split(ttt: dict, iters_to: dict, loss: dict, mode: str, peer: str) -> d
 def goal_verdict(ratios: list, bound: float) -> str:
     """The one rule against the goal's bound: "met" only where every paired ratio is at or
     below it, "missed" only where every one is above, "open" otherwise."""
-    lo, hi = min(ratios), max(ratios)
-    word = "met" if hi <= bound else "missed" if lo > bound else "open"
-    for digits in range(2, 7):   # as many digits as the range needs to show the rule
-        plo, phi = (float(format(v, f".{digits}f")) for v in (lo, hi))
-        if (word != "met" or phi <= bound) and (word != "missed" or plo > bound) and \
-                (word != "open" or plo <= bound < phi):
-            break
-    return f"{spread(ratios, f'.{digits}f')}× ≤ {bound:g}: {word}"
+    return judged_range(ratios, lambda lo, hi: "met" if hi <= bound else
+                        "missed" if lo > bound else "open").replace("× ", f"× ≤ {bound:g}: ")
 
 
 def goal_table(verdicts: dict) -> str:
