@@ -209,14 +209,14 @@ def test_the_bypass_prices_both_choices_as_they_run(corpus_data, tmp_path, rate,
     neither price; the compressed path's own collectives inside the instance are in its
     price, as its local work): the predicted saving off the measured one by at most half
     the slower choice's measured sync, and the decision in force the faster choice
-    measured, from the first refit on. One case where compressing pays and two where it costs (flat, and
-    two-level at r32). Half, not a quarter: 4 ranks on 2 cores wait for each other longer
-    on the compressed path's CPU-bound math, a wait in the measured sync that no price
-    holds, so a run on a loaded machine reads a prediction short by up to a quarter of the
-    slower sync (2 Gbit flat, AMD EPYC family 25 model 17, 2026-12-06, 1 run of 5 failing
-    the quarter: 24 / 62 measured against 13 / 35 predicted, the decision dense, right);
-    a price without the compressed path's local work (most of its 27-55 ms predicted at 2
-    Gbit) would miss by more. Measured dense / compressed
+    measured, from the first refit on. One case where compressing pays and two where it
+    costs (flat, and two-level at r32). Half, not a quarter: 4 ranks on 2 cores wait for
+    each other longer on the compressed path's CPU-bound math, a wait in the measured sync
+    that no price holds, so a run on a loaded machine reads a prediction short by about a
+    quarter of the slower sync (2 Gbit flat, AMD EPYC family 25 model 17, 2026-12-06, 1 run
+    of 5 failing the quarter: 24 / 62 measured against 13 / 35 predicted, the decision
+    dense, right); a price without the compressed path's local work (most of its 27-55 ms
+    predicted at 2 Gbit) would miss by more. Measured dense / compressed
     against predicted, ms, AMD EPYC family 25 model 17 (2 cores), 2026-12-05: 25 Mbit flat
     660 / 86 against 644 / 127 alone, 664 / 109 against 647 / 140 beside two busy
     processes; 2 Gbit flat 20 / 36 against 12 / 29 alone, 36 / 78 against 19 / 55 beside
