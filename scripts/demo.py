@@ -43,10 +43,10 @@ from megatron_edgc.config import ConfigError, parse_config  # noqa: E402
 # bypass sends a bucket dense wherever compressing it would not pay on the measured link.
 # Its windows are halved against the config's (10 iterations, warm-up at most 40) so that
 # two thirds of a 120-iteration run are compressed.
-# The precision is the trainer's default on this CPU (issue 80): bf16 where the CPU has
-# bf16 instructions (there bf16 was faster than fp32: 200 against 298 ms/iter on
-# TP1·PP1·DP4, 2026-11-25), fp32 where it has not (an AMD EPYC of family 25 ran the tiny
-# config 4-6x slower in bf16: 6.7-8.3 s an iteration against 1.3-1.6 s). "dense" reduces
+# The precision is the trainer's default on this CPU (issue 91): fp32 without bf16
+# instructions (an AMD EPYC Zen 3 ran the tiny config 4-6x slower in bf16), otherwise the
+# faster of the two at the model's shapes, timed here once (bf16 on a Zen 4, fp32 on an
+# Intel Xeon with AVX512-BF16 and no AMX) and given to all three runs. "dense" reduces
 # the gradients in fp32, Megatron-LM's default; "dense-bf16" sends them as bf16, what an
 # informed user turns on first (half the bytes, free): in bf16 training Megatron's
 # --grad-reduce-in-bf16, in fp32 training the dense sync with a bf16 wire (torch's
@@ -249,6 +249,13 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
 
     if not args.report_only:
+        if cfg.bf16_by_cpu:
+            # timed here once, on a worker's threads, and given to all three runs: one
+            # precision for the whole comparison
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            extra = extra + ["--bf16" if cfg.precision == "bf16" else "--no-bf16"]
         print(cfg.precision_note, flush=True)
         runs = RUNS_BY_PRECISION["bf16" if cfg.precision == "bf16" else "fp32"]
         code = train(args, extra, world, runs)

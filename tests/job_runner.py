@@ -17,6 +17,8 @@ sync; every rank captures, per compressed bucket and shape group, the step's ``M
 (in the step's units), ``E`` and ``Q`` before the step, ``E`` as the sync left it, and
 ``E`` and ``Q`` after the optimizer's outcome (``overflow_capture``: a test of the skip
 rule, docs/reliability.md).
+``EDGC_TEST_CPU_BF16_VOTES=1,0,...`` (environment): rank i's own timing of an unset
+``--bf16`` on a CPU finds bf16 faster where its entry is 1 (a test of the agreement).
 ``--count-host-syncs`` counts the host syncs (``tests/host_sync.py``) of the patched DP
 bucket-group sync and of the compressed pipeline sends and receives, per iteration, into
 each rank's result (``host_syncs``: ``(iteration, site, call, source line)``).
@@ -63,7 +65,15 @@ def main() -> int:
     if os.environ.get("EDGC_TEST_STALE_UNITS"):
         stale_residual_units()
 
+    votes = os.environ.get("EDGC_TEST_CPU_BF16_VOTES")
+
     def target(rank, world, local):
+        if votes:   # each rank's timed CPU precision (1: bf16 faster), for the agreement
+            from megatron_edgc.config import host
+
+            vote = bool(int(votes.split(",")[rank]))
+            host.measure = lambda *shape: host.CpuPrecision(
+                vote, f"rank {rank} timed {'bf16' if vote else 'fp32'} faster (test)")
         init_worker(cfg, rank, world, local)
         if inject_at is not None:
             original = ddp.DPGradientCompression._start

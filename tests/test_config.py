@@ -329,28 +329,92 @@ Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics bf16 i8mm
 """
 
 
-def test_an_unset_bf16_follows_the_cpus_bf16_instructions(monkeypatch, small_model_argv):
-    """Issue 80: bf16 on a CPU only where it has bf16 instructions (a Zen 3 EPYC converts
-    every operand, ~80x slower than fp32); set, the flag wins; the start-up line says which
-    and why."""
+XEON_207 = """model name\t: Intel(R) Xeon(R) Processor
+cpu family\t: 6
+model\t\t: 207
+flags\t\t: fpu avx avx2 avx512f avx512bw avx512_bf16 avx512_vnni
+"""
+ZEN4 = """model name\t: AMD EPYC
+cpu family\t: 25
+model\t\t: 17
+flags\t\t: fpu avx avx2 avx512f avx512bw avx512_bf16 avx512_vnni
+"""
+
+
+def test_cpu_bf16_instructions_from_cpuinfo():
+    """Which CPUs carry bf16 instructions, named in the start-up line."""
     from megatron_edgc.config import host
 
-    argv = [a for a in small_model_argv if a != "--no-bf16"]
     native, what = host.cpu_bf16_from(ZEN3)
     assert not native and "AMD EPYC has no native bf16 (AVX2" in what
     native, what = host.cpu_bf16_from(SAPPHIRE)
     assert native and "AVX512-BF16, AMX-BF16" in what
     assert host.cpu_bf16_from(GRAVITON)[0]
+    assert host.cpu_bf16_from(XEON_207) == (True, "Intel(R) Xeon(R) Processor has native "
+                                                  "bf16 (AVX512-BF16)")
     assert host.cpu_bf16_from("flags : avx512f avx2")[1].count("AVX-512") == 1
 
+
+@pytest.mark.parametrize("info, timed, expected", [
+    (ZEN3, None, "fp32"),                  # no bf16 instructions: by rule, nothing timed
+    (XEON_207, (0.133, 0.229), "fp32"),    # AVX512-BF16, no AMX: bf16 1.7x slower
+    (ZEN4, (0.0033, 0.0020), "bf16"),      # AVX512-BF16 on a Zen 4: bf16 0.6x
+    (SAPPHIRE, (0.010, 0.004), "bf16"),    # AMX
+    (ZEN4, (0.0100, 0.0095), "fp32"),      # a tie goes to fp32 (BF16_FASTER_BELOW)
+], ids=["zen3", "xeon-207", "zen4", "amx", "tie"])
+def test_an_unset_bf16_on_a_cpu_takes_what_it_computes_faster(info, timed, expected,
+                                                               monkeypatch, small_model_argv):
+    """Issue 91: an unset --bf16 on a CPU takes the precision this CPU runs the model's
+    MLP faster in (timed at its shapes where it has bf16 instructions, fp32 by rule where
+    it has none), and the start-up line says which and why; a set flag wins and times
+    nothing; a resume takes its checkpoint's precision."""
+    from megatron_edgc.config import host
+
+    native, what = host.cpu_bf16_from(info)
+    assert native == (timed is not None)
+    shapes = []
+
+    def time_layer(shape, reps=host.PROBE_REPS):
+        shapes.append(shape)
+        return timed
+
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    for info, expected in ((ZEN3, "fp32"), (SAPPHIRE, "bf16")):
-        monkeypatch.setattr("megatron_edgc.config.run.cpu_bf16",
-                            lambda info=info: host.cpu_bf16_from(info))
-        cfg = parse_config(argv)
-        assert cfg.training.bf16 is None and cfg.precision == expected
-        assert cfg.precision_note.startswith(f"precision: {expected} (unset --bf16 on a CPU: ")
-        forced = parse_config(argv + ["--bf16"])
-        assert forced.precision == "bf16"
-        assert ("(--no-bf16) runs faster here" in forced.precision_note) == (expected == "fp32")
-        assert parse_config(argv + ["--no-bf16"]).precision == "fp32"
+    monkeypatch.setattr(host, "cpu_bf16", lambda: (native, what))
+    monkeypatch.setattr(host, "time_layer", time_layer)
+    argv = [a for a in small_model_argv if a != "--no-bf16"]
+    cfg = parse_config(argv)
+    assert cfg.training.bf16 is None and cfg.bf16_by_cpu and cfg.cpu_precision is None
+    assert cfg.precision == expected
+    # the model's MLP: the tokens of a micro-batch (2 x 64), hidden 64, 4 x 64
+    assert shapes == ([] if timed is None else [(128, 64, 256)])
+    note = cfg.precision_note
+    assert note.startswith(f"precision: {expected} (unset --bf16 on a CPU: {what}"), note
+    if timed is not None:
+        ratio = timed[1] / timed[0]
+        assert f"in bf16, {timed[0] * 1e3:.2f} in fp32 ({ratio:.2f}x: {expected} is " \
+               f"faster here)" in note, note
+    shapes.clear()
+    for flag, precision in (("--bf16", "bf16"), ("--no-bf16", "fp32")):
+        forced = parse_config(argv + [flag])
+        assert forced.precision == precision and not forced.bf16_by_cpu
+        assert ("(--no-bf16) runs faster here" in forced.precision_note) == (
+            precision == "bf16" and not native)
+    resumed = parse_config(argv)
+    resumed.resolve_cpu_precision(resumed=("bf16", "ckpt, iteration 10"))
+    assert resumed.precision == "bf16" and "bf16, as the run it resumes (ckpt, iteration " \
+        "10)" in resumed.precision_note
+    assert shapes == []
+    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16.*set it"):
+        parse_config(argv + ["--grad-reduce-in-bf16"])
+    assert host.probe_shape(2048, 1024, 4096) == (64, 1024, 4096)   # GPT-2 medium: capped
+
+
+def test_the_cpu_precision_timing_is_brief_and_finite():
+    """The layer :func:`~megatron_edgc.config.host.measure` times, on this CPU: both
+    precisions positive and finite, the tiny config's shapes uncapped."""
+    from megatron_edgc.config import host
+
+    shape = host.probe_shape(512, 128, 512)
+    assert shape == (512, 128, 512)
+    fp32_s, bf16_s = host.time_layer(shape, reps=2)
+    assert 0 < fp32_s < 5 and 0 < bf16_s < 60

@@ -58,3 +58,34 @@ def test_tensorboard_events_hold_the_metrics(layout_job):
     expected = [r["loss"] for r in records]
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses, expected))
     assert {"lr", "iter_ms", "dp_bytes_sent", "val_loss"} <= set(acc.Tags()["scalars"])
+
+
+def test_every_rank_trains_in_the_precision_the_job_agreed(small_model_argv, tmp_path):
+    """Issue 91: an unset --bf16 on a CPU is timed on every rank and agreed before the
+    model is built: where one rank of four found fp32 faster, all four train in fp32 and
+    the first line says why; a resume continues in its checkpoint's precision whatever its
+    ranks would time now."""
+    import os
+
+    import torch
+
+    argv = [a for a in small_model_argv if a != "--no-bf16"] + LAYOUTS["tp1-pp2-dp2"] + [
+        "--train-iters", "4", "--eval-interval", "100", "--save-interval", "4",
+        "--save", str(tmp_path / "ck")]
+    env = dict(os.environ, EDGC_TEST_CPU_BF16_VOTES="1,1,0,1")
+    results = run_job(argv, str(tmp_path / "first"), env=env)
+    dtypes = {p.dtype for r in results for p in r["params"].values()}
+    assert len(results) == 4 and dtypes == {torch.float32}
+    lines = open(tmp_path / "first" / "stdout.txt").read().splitlines()
+    assert lines[0] == ("precision: fp32 (unset --bf16 on a CPU: 1 of 4 ranks found fp32 "
+                        "faster and the job trains every rank alike (this rank: rank 0 timed "
+                        "bf16 faster (test)))"), lines[:3]
+    assert open(tmp_path / "ck" / "iter_0000004" / "precision.txt").read() == "fp32\n"
+
+    env["EDGC_TEST_CPU_BF16_VOTES"] = "1,1,1,1"
+    resumed = run_job(argv[:-1] + [str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
+                                   "--train-iters", "5"], str(tmp_path / "resumed"), env=env)
+    assert {p.dtype for r in resumed for p in r["params"].values()} == {torch.float32}
+    first = open(tmp_path / "resumed" / "stdout.txt").read().splitlines()[0]
+    assert first == (f"precision: fp32 (unset --bf16 on a CPU: fp32, as the run it resumes "
+                     f"({tmp_path / 'ck'}, iteration 4))"), first

@@ -161,9 +161,10 @@ def check_run_layout(cfg: "RunConfig") -> None:
         raise ConfigError("--global-batch-size",
                           f"interleaved 1F1B needs the micro-batch count "
                           f"({cfg.num_microbatches}) to be a multiple of PP ({pp})")
-    if t.grad_reduce_in_bf16 and not cfg.bf16_resolved:
+    if t.grad_reduce_in_bf16 and (cfg.bf16_by_cpu or not cfg.bf16_resolved):
         raise ConfigError("--grad-reduce-in-bf16", "reduces the bf16 gradients of bf16 "
-                                                   "mixed precision: needs --bf16 (off by "
-                                                   "default without CUDA)")
+                                                   "mixed precision: needs --bf16 (on a CPU "
+                                                   "an unset --bf16 is chosen at start-up "
+                                                   "by measured speed: set it)")
     if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
         raise ConfigError("--bucket-size", "must be >= 1")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_edgc.config.edgc import EdgcConfig
-from megatron_edgc.config.host import cpu_bf16
+from megatron_edgc.config import host
 from megatron_edgc.config.knobs import check_ranges
 from megatron_edgc.config.rules import check_run_layout, validate_edgc
 from megatron_edgc.config.sections import (CheckpointConfig, DataConfig, EvalConfig,
@@ -33,18 +33,52 @@ class RunConfig:
     #: The start-up summary's compression lines (filled by :func:`validate_edgc` given the
     #: model's shapes).
     compression_notes: list = field(default_factory=list, repr=False, compare=False)
+    #: An unset ``--bf16`` on a CPU: the job's choice (:mod:`megatron_edgc.config.host`),
+    #: set by :meth:`resolve_cpu_precision`.
+    cpu_precision: Optional[host.CpuPrecision] = field(default=None, repr=False,
+                                                       compare=False)
+
+    @property
+    def bf16_by_cpu(self) -> bool:
+        """Whether ``--bf16`` is left to the CPU: unset, no ``--fp16``, no CUDA."""
+        import torch
+
+        return self.training.bf16 is None and not self.training.fp16 and \
+            not torch.cuda.is_available()
+
+    def resolve_cpu_precision(self, group=None, resumed: Optional[tuple] = None
+                              ) -> Optional[host.CpuPrecision]:
+        """Where :attr:`bf16_by_cpu`: this process's choice, and in a job every rank of
+        ``group`` (default: the world) takes the same one
+        (:func:`~megatron_edgc.config.host.agree`: one all-reduce; call it on every rank
+        before the model is built). The choice: ``resumed``, ``(precision, where)`` of the
+        checkpoint a resume continues (its run's, whatever this CPU would take), else
+        timed at the model's shapes. Once: a resolved choice is kept."""
+        if self.bf16_by_cpu and self.cpu_precision is None:
+            if resumed is not None:
+                mine = host.CpuPrecision(resumed[0] == "bf16", f"{resumed[0]}, as the run it "
+                                                               f"resumes ({resumed[1]})")
+            else:
+                m, t = self.model, self.training
+                tokens = m.seq_length * t.micro_batch_size
+                ffn = (m.ffn_hidden_size or 4 * m.hidden_size) // \
+                    self.parallel.tensor_model_parallel_size
+                mine = host.measure(tokens, m.hidden_size, ffn)
+            self.cpu_precision = host.agree(mine, group)
+        return self.cpu_precision
 
     @property
     def bf16_resolved(self) -> bool:
-        """``--bf16`` as the run takes it: unset means on with CUDA, and on a CPU only
-        where it has bf16 instructions (:mod:`megatron_edgc.config.host`)."""
+        """``--bf16`` as the run takes it: set, as set; unset, on with CUDA, and on a CPU
+        as :meth:`resolve_cpu_precision` chose (resolved here if not yet, in this process
+        alone: a job resolves it on every rank first)."""
         if self.training.fp16:
             return False
         if self.training.bf16 is not None:
             return self.training.bf16
-        import torch
-
-        return torch.cuda.is_available() or cpu_bf16()[0]
+        if not self.bf16_by_cpu:
+            return True
+        return self.resolve_cpu_precision().bf16
 
     @property
     def precision_note(self) -> str:
@@ -55,9 +89,10 @@ class RunConfig:
         if torch.cuda.is_available() or precision == "fp16":
             how = "set" if self.training.bf16 is not None or self.training.fp16 else "CUDA"
             return f"precision: {precision} ({how})"
-        native, what = cpu_bf16()
         if self.training.bf16 is None:
-            return f"precision: {precision} (unset --bf16 on a CPU: {what})"
+            return f"precision: {precision} (unset --bf16 on a CPU: " \
+                   f"{self.resolve_cpu_precision().why})"
+        native, what = host.cpu_bf16()
         advice = "" if native or precision != "bf16" else "; fp32 (--no-bf16) runs faster here"
         return f"precision: {precision} (set; {what}{advice})"
 

@@ -6,6 +6,8 @@ Layout (one directory per saved iteration)::
                                                      written by DP rank 0 of each (TP, PP)
     <save>/iter_0000100/rank_state_00003.pt          per-rank state: RNG, this rank's
                                                      distributed-optimizer shard, extensions
+    <save>/iter_0000100/precision.txt                the run's precision (an unset
+                                                     --bf16 resumes in it)
     <save>/latest_checkpointed_iteration.txt         written last
 
 An iteration directory is written under a temporary name and renamed once every rank
@@ -45,6 +47,9 @@ from megatron_edgc.training.checkpoint_files import (LATEST, iteration_dir, mode
 
 logger = logging.getLogger(__name__)
 
+#: the run's precision, beside the model files: an unset --bf16 resumes in it
+PRECISION_FILE = "precision.txt"
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -58,6 +63,18 @@ def read_latest_iteration(root: str) -> Optional[int]:
     if not text.isdigit():
         raise CheckpointError(f"--load: {path} does not hold an iteration number ({text[:40]!r})")
     return int(text)
+
+
+def saved_precision(root: str) -> Optional[tuple]:
+    """``(precision, where)`` of the latest checkpoint in ``root`` (``fp32``, ``bf16`` or
+    ``fp16``), or None (no checkpoint, or one saved before it was recorded)."""
+    iteration = read_latest_iteration(root)
+    if iteration is None:
+        return None
+    path = os.path.join(iteration_dir(root, iteration), PRECISION_FILE)
+    if not os.path.isfile(path):
+        return None
+    return open(path).read().strip(), f"{root}, iteration {iteration}"
 
 
 def _layout_names(iteration_path: str) -> tuple[str, str]:
@@ -237,6 +254,9 @@ def save_checkpoint(root: str, iteration: int, bundle, cfg) -> str:
                         "grad_scalers": grad_scaler_states(bundle.optimizer),
                         "layout": layout_of(cfg),
                         "config": cfg.to_dict()}, model_file)
+        if dist.get_rank() == 0:   # read before the model is built (saved_precision)
+            with open(os.path.join(tmp, PRECISION_FILE), "w") as fh:
+                fh.write(cfg.precision + "\n")
         torch.save({"iteration": iteration, "rng": rng_state(), "layout": layout_of(cfg),
                     "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
                                "pp": parallel_state.get_pipeline_model_parallel_rank(),

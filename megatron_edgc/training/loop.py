@@ -52,6 +52,11 @@ class Trainer:
         self.cfg = cfg
         self.device = compute_device()
         self.on_gpu = self.device.type == "cuda"
+        # the run's first line: its precision (an unset --bf16 on a CPU: timed on every
+        # rank, or the checkpoint's a resume continues, agreed before the model is built)
+        ck = cfg.checkpoint
+        cfg.resolve_cpu_precision(resumed=ckpt.saved_precision(ck.load) if ck.load else None)
+        log_rank0(cfg.precision_note)
         self.bf16 = cfg.bf16_resolved
         p = cfg.parallel
         parallel_state.initialize_model_parallel(
@@ -298,7 +303,6 @@ class Trainer:
         elif ck.load:
             log_rank0(f"no checkpoint in {ck.load} yet: starting from iteration 0")
         print_notes(cfg)
-        log_rank0(cfg.precision_note)
         self.records.writers = [MetricsWriter(lg.metrics_file, lg.tensorboard_dir,
                                               self.is_logger, resume_from=self.iteration)]
         history = []
