@@ -411,3 +411,133 @@ def test_a_declared_link_is_kept_and_the_local_work_still_refitted(one_process_g
     assert sent[10] == (frozenset(), True)                           # explored
     assert comp.planner.math_seconds(plan.key, 4) == pytest.approx(3 * cost)
     assert comp.planner.dense_local == {plan.key: pytest.approx(0.001)}
+
+
+class _WorkClock:
+    """A clock that reads the work charged to it (seconds), not the host's: each path's
+    local work is then exact on any machine, beside any load."""
+
+    use_cuda = False
+
+    def __init__(self):
+        self.now = 0.0
+
+    def stamp(self) -> float:
+        return self.now
+
+    def completion(self, work) -> float:
+        return self.now
+
+    def seconds_between(self, start, end) -> float:
+        return end - start
+
+    def wait(self) -> None:
+        pass
+
+
+def _priced_run(monkeypatch, gbit_per_s: float, explore: int, iters: int = 13):
+    """A one-bucket DP sync, bypass on a declared link (window 3), run through the real
+    pipeline for ``iters`` iterations on a :class:`_WorkClock` that charges the compressed
+    math 10 ms, the dense wire's cast 1 ms, and absorbing residuals into a dense message
+    26 ms (as measured: 4.49 ms against 0.17 for a 24 MiB fp32 bucket). Returns the
+    planner, the bucket's key and each step's ``(sent dense, local_s, switch_s)``."""
+    from megatron_edgc.patches import dp_plans
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from megatron_edgc.patches.dp_stats import DPSyncStats
+    from test_host_sync import compressed_dp_step, fake_ddp_chunk
+
+    math_s, cast_s, switch_s = 0.010, 0.001, 0.026
+    clock = _WorkClock()
+
+    class CastCharged:                # dp_plans' torch, its cast to the wire charged
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def mul(*args, **kwargs):
+            clock.now += cast_s
+            return torch.mul(*args, **kwargs)
+
+    monkeypatch.setattr(dp_plans, "torch", CastCharged())
+    chunk = fake_ddp_chunk(n_buckets=1)
+    comp = DPGradientCompression([chunk], torch.distributed.group.WORLD, rank=4,
+                                 compress_single_replica=True, min_compression_rate=2.0,
+                                 start_iter=0, seed=0, bypass="auto",
+                                 link=LinkModel.declared(gbit_per_s, 0.0), link_window=3,
+                                 link_explore=explore, dense_wire="bf16")
+    comp.stats.clock = clock
+    plan = next(iter(comp.plans.values()))
+    comp.planner.cost_model = {plan.key: (0.5 * math_s, 0.0)}   # start-up: half the job's
+    c = plan.compressor
+    start, absorb = c.start, c.absorb_residual
+
+    def charged_start(*args, **kwargs):
+        clock.now += math_s
+        return start(*args, **kwargs)
+
+    def charged_absorb(*args, **kwargs):
+        clock.now += 0.0 if c.state.clear else switch_s
+        return absorb(*args, **kwargs)
+
+    c.start, c.absorb_residual = charged_start, charged_absorb
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    for it in range(iters):
+        comp.set_iteration(it)
+        comp.prepare_iteration()
+        compressed_dp_step(comp, chunk, gen)
+        st = comp.stats.take()
+        DPSyncStats.resolve_all([st])
+        comp.observe_link([st])
+        steps.append((plan.key in comp.dense_keys, st.local_s.get(plan.key),
+                      getattr(st, "switch_s", {}).get(plan.key, 0.0)))
+    return comp.planner, plan.key, steps
+
+
+@pytest.mark.parametrize("in_force", ["compressed", "dense"])
+def test_explorations_keep_each_path_steady_price(one_process_group, monkeypatch, in_force):
+    """Issue 91: an exploration that sends a compressed bucket dense, and the first dense
+    iteration after a compressed one, absorb the residuals into the dense message, a pass
+    the dense path pays once; it is timed apart (``switch_s``), so the prices the bypass
+    refits from a bucket explored both ways stay those of runs that never switch: the
+    dense path's local work (its cast, 1 ms) and the math (10 ms)."""
+    slow, fast = 1e-4, 1e4             # Gbit/s: compressing pays by far, or never
+    gbit = slow if in_force == "compressed" else fast
+    steady_dense, key, dense_steps = _priced_run(monkeypatch, fast, explore=0)
+    steady_math, _, math_steps = _priced_run(monkeypatch, slow, explore=0)
+    assert all(d for d, _, _ in dense_steps) and not any(d for d, _, _ in math_steps)
+    assert steady_dense.dense_local[key] == pytest.approx(0.001)
+    assert steady_math.math_seconds(key, 4) == pytest.approx(0.010)
+    explored, _, steps = _priced_run(monkeypatch, gbit, explore=1)
+    assert explored.dense_local[key] == pytest.approx(steady_dense.dense_local[key], rel=0.1)
+    assert explored.math_seconds(key, 4) == pytest.approx(steady_math.math_seconds(key, 4),
+                                                          rel=0.1)
+    # explorations at 3, 6, 9, 12 (each the first iteration of a window), decisions kept
+    # (priced with the absorption, a dense bucket went compressed: 27 ms against 10)
+    sent = [d for d, _, _ in steps]
+    assert sent == [(in_force == "dense") != (it in (3, 6, 9, 12)) for it in range(13)]
+    # the absorptions, in the step's telemetry apart: the explorations (or their returns)
+    switches = [it for it, (_, _, s) in enumerate(steps) if s]
+    assert switches == ([3, 6, 9, 12] if in_force == "compressed" else [4, 7, 10])
+    assert all(steps[it][2] == pytest.approx(0.026) for it in switches)
+
+
+def test_a_stage_off_its_steady_path_stays_out_of_dac_fits():
+    """Issue 91: an iteration where a stage's buckets left their steady path (the bypass
+    explored, or a bucket absorbed its residuals going dense: ``dp_switch_share`` > 0)
+    synced at no rank's steady time; DAC's fit of that stage leaves it out, the other
+    stages' fits take their own."""
+    from megatron_edgc.runtime.dac import StageTimeFits
+
+    fits = StageTimeFits(2)
+    nan = float("nan")
+    for ranks, sync, switch in (([8, 8], [10.0, 20.0], [0.0, 0.0]),
+                                ([4, 4], [6.0, 12.0], [0.0, 0.0]),
+                                ([8, 4], [100.0, 12.0], [1.0, 0.0]),    # stage 0 explored
+                                ([8, 8], [40.0, 20.0], [0.5, nan])):    # half its buckets
+        fits.observe(ranks, {"dp_sync_ms": sync, "t_b_ms": [1.0, 1.0], "t_p2p_ms": [nan, nan],
+                             "dp_switch_share": switch})
+    (m0, m1) = fits.fit()
+    assert (m0.eta, m0.c) == pytest.approx((1.0, 2.0))        # 10 ms at 8, 6 at 4
+    assert (m1.eta, m1.c) == pytest.approx((2.0, 4.0))        # every iteration of stage 1
+    assert fits.sums[0][0] == 2 and fits.sums[1][0] == 4

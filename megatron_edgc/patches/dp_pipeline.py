@@ -67,11 +67,14 @@ class Phase:
     """The collectives a strategy issues together. ``inline``: waited for at once (module
     docstring), and then the bucket's local work, off the link the bypass prices, unless
     ``common``: a phase every choice of the bucket runs alike (the fast hop's dense
-    reduce-scatter), which decides nothing between them."""
+    reduce-scatter), which decides nothing between them. ``switch``: the bucket's local
+    work before this phase switched its path (a residual absorbed into a dense message):
+    timed apart, the steady price of neither path."""
 
     collectives: list = field(default_factory=list)
     inline: bool = False
     common: bool = False
+    switch: bool = False
 
 
 Strategy = Generator[Phase, None, Optional[torch.Tensor]]
@@ -136,7 +139,7 @@ class BucketPipeline:
                 if end.value is not None:
                     stats.add_nonfinite_flag(turn.key, end.value)
                 return None
-            stats.add_time("compress_s", t0, turn.key)
+            stats.add_time("compress_s", t0, turn.key, switch=phase.switch)
             t0 = stats.clock.stamp()
             turn.handles = []
             self._phases += 1

@@ -93,18 +93,25 @@ class BucketPlan:
                 and self.bucket.grad_data.dtype != self.compressor.dense_dtype)
 
     def dense(self, scale: float = 1.0) -> Strategy:
-        """The bypass and the warm-up: the whole error into the dense message, then the
-        all-reduce (on the slow hop, the shard across instances) in the dense wire dtype;
-        a buffer wider than the wire travels in slices of at most the workspace, each cast
-        there and back (its rounding is not fed back, as the bf16 wire of Megatron-LM's
-        ``--grad-reduce-in-bf16`` or torch's ``bf16_compress_hook``). ``scale``: the
-        gradient scaling not yet applied (:meth:`scales_in_cast`), done in the cast: one
-        pass over the buffer, as torch's hook scales its bf16 copy."""
+        """The bypass and the warm-up: the whole error into the dense message (a switch,
+        timed apart), then the all-reduce (on the slow hop, the shard across instances)
+        in the dense wire dtype; a buffer wider than the wire travels in slices of at most
+        the workspace, each cast there and back (its rounding is not fed back, as the bf16
+        wire of Megatron-LM's ``--grad-reduce-in-bf16`` or torch's ``bf16_compress_hook``).
+        ``scale``: the gradient scaling not yet applied (:meth:`scales_in_cast`), done in
+        the cast: one pass over the buffer, as torch's hook scales its bf16 copy."""
         r = self.reduction
         if r.slow_hop:
             yield from self.fast_hop()
         grads = self.grads()
+        # residuals to absorb: the bucket switches to dense (an exploration, its return, a
+        # new decision); that pass is timed apart, the steady price of neither path
+        switch = not self.compressor.state.clear
+        if switch:
+            yield Phase([], inline=True)
         self.compressor.absorb_residual(grads)
+        if switch:
+            yield Phase([], inline=True, switch=True)
         data = self.shard() if r.slow_hop else self.bucket.grad_data
         wire = self.compressor.dense_dtype
         if data.dtype == wire:

@@ -54,6 +54,9 @@ class DPSyncStats:
     #: collectives: compression, or the dense path's casts; and its collectives
     #: inside a distributed-optimizer instance, off the priced link), from :meth:`resolve_all`
     local_s: dict = field(default_factory=dict)
+    #: ``{key: seconds}``: the local work of a bucket switching its path this step (its
+    #: residuals absorbed into a dense message), kept out of :attr:`local_s`
+    switch_s: dict = field(default_factory=dict)
     compressed: bool = False
     link_gbps: float = float("nan")  # the bypass's link rate in use (all-reduce payload)
     link_alpha_ms: float = float("nan")  # ... and its latency per collective
@@ -63,7 +66,7 @@ class DPSyncStats:
     #: ``dense``: of a bucket sent dense (a compressed bucket's transfers are small)
     link_busy: list = field(default_factory=list)
     clock: IntervalClock = field(default_factory=lambda: IntervalClock(use_cuda=False))
-    _intervals: list = field(default_factory=list)  # (name, start, end stamp, key)
+    _intervals: list = field(default_factory=list)  # (name, start, end, key, switch)
     _nonfinite: list = field(default_factory=list)  # (bucket key, bool [2] device tensor)
     _link: list = field(default_factory=list)  # (link, bytes, issue, completion, phase, dense)
 
@@ -76,7 +79,7 @@ class DPSyncStats:
         self.compress_s = self.comm_s = 0.0
         self.predicted_saving_s = self.predicted_cost_s = 0.0
         self.predicted_dense_s = self.predicted_compressed_s = 0.0
-        self.predicted_local, self.local_s = {}, {}
+        self.predicted_local, self.local_s, self.switch_s = {}, {}, {}
         self.explored = False
         self.compressed = False
         self.link_gbps = self.link_alpha_ms = float("nan")
@@ -96,10 +99,12 @@ class DPSyncStats:
             self.slow_hop_bytes_sent += sent
             self.slow_hop_bytes_dense += dense
 
-    def add_time(self, name: str, start, key: Optional[str] = None) -> None:
+    def add_time(self, name: str, start, key: Optional[str] = None,
+                 switch: bool = False) -> None:
         """Count the time from ``start`` (a stamp of :attr:`clock`) to now into ``name``
-        (and into bucket ``key``'s :attr:`local_s`, where given)."""
-        self._intervals.append((name, start, self.clock.stamp(), key))
+        (and into bucket ``key``'s :attr:`local_s`, where given; ``switch``: its
+        :attr:`switch_s` instead)."""
+        self._intervals.append((name, start, self.clock.stamp(), key, switch))
 
     def add_link_collective(self, link: int, nbytes: int, issued, completed,
                             phase: int = -1, dense: bool = True) -> None:
@@ -132,11 +137,12 @@ class DPSyncStats:
         if wait and any(s._intervals or s._link for s in steps):
             steps[0].clock.wait()
         for s in steps:
-            for name, start, end, key in s._intervals:
+            for name, start, end, key, switch in s._intervals:
                 seconds = s.clock.seconds_between(start, end)
                 setattr(s, name, getattr(s, name) + seconds)
                 if key is not None:
-                    s.local_s[key] = s.local_s.get(key, 0.0) + seconds
+                    into = s.switch_s if switch else s.local_s
+                    into[key] = into.get(key, 0.0) + seconds
             s._intervals = []
             s._resolve_link()
         flagged = [(s, key, flag) for s in steps for key, flag in s._nonfinite]

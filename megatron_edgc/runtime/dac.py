@@ -41,10 +41,14 @@ class StageTimeFits:
 
     def observe(self, ranks: list, stage_times: dict) -> None:
         """One iteration: the DP rank in force per stage and the per-stage mean times
-        (``dp_sync_ms``, ``t_b_ms``, ``t_p2p_ms``; NaN where a stage has none)."""
+        (``dp_sync_ms``, ``t_b_ms``, ``t_p2p_ms``; NaN where a stage has none). A stage
+        whose buckets left their steady path (``dp_switch_share`` > 0: the bypass explored
+        the other choice, or a bucket absorbed its residuals going dense) synced at no
+        rank's steady time: its sync time is left out of the fit."""
+        switched = stage_times.get("dp_switch_share") or [0.0] * self.num_stages
         for s in range(self.num_stages):
             r, t = ranks[s], stage_times["dp_sync_ms"][s]
-            if r is not None and math.isfinite(t):
+            if r is not None and math.isfinite(t) and not switched[s] > 0:
                 f = self.sums[s]
                 f[0] += 1.0
                 f[1] += r

@@ -331,7 +331,9 @@ class EdgcRuntime:
                      dp_fallback_share=st.fallback_buckets / st.buckets
                      if st is not None and st.buckets else float("nan"),
                      dp_dense_share=st.bypassed_buckets / st.buckets
-                     if st is not None and st.buckets else float("nan"))
+                     if st is not None and st.buckets else float("nan"),
+                     dp_switch_share=(st.buckets if st.explored else len(st.switch_s))
+                     / st.buckets if st is not None and st.buckets else float("nan"))
         return self.row.pack(self._counters(step), self.stage, times, step.entropy)
 
     def _fill(self, step: "_TakenStep", row: list) -> None:
@@ -380,6 +382,7 @@ class EdgcRuntime:
             rec.update(dp_compress_ms=st.compress_s * 1e3, dp_comm_ms=st.comm_s * 1e3,
                        dp_ef_bytes=step.ef_bytes,
                        dp_nonfinite_buckets=st.nonfinite_buckets,
+                       dp_switch_ms=sum(st.switch_s.values()) * 1e3,
                        dp_bypassed_buckets=st.bypassed_buckets,
                        dp_collectives=st.collectives,
                        dp_predicted_saving_ms=st.predicted_saving_s * 1e3,

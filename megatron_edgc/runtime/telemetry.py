@@ -17,10 +17,11 @@ from typing import Optional
 import torch
 
 #: Per-stage columns of the telemetry row (means over each stage's ranks): its times, the
-#: share of its DP buckets the fallback sent dense (their factors had failed), and the
-#: share sent dense for any reason (the fallback or the bypass).
+#: share of its DP buckets the fallback sent dense (their factors had failed), the share
+#: sent dense for any reason (the fallback or the bypass), and the share that left their
+#: steady path (the bypass explored, or a bucket absorbed its residuals going dense).
 STAGE_COLUMNS = ("t_b_ms", "t_p2p_ms", "dp_sync_ms", "grad_sync_ms", "dp_sync_end_wall",
-                 "dp_fallback_share", "dp_dense_share")
+                 "dp_fallback_share", "dp_dense_share", "dp_switch_share")
 
 
 @dataclasses.dataclass
