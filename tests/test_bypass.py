@@ -541,3 +541,126 @@ def test_a_stage_off_its_steady_path_stays_out_of_dac_fits():
     assert (m0.eta, m0.c) == pytest.approx((1.0, 2.0))        # 10 ms at 8, 6 at 4
     assert (m1.eta, m1.c) == pytest.approx((2.0, 4.0))        # every iteration of stage 1
     assert fits.sums[0][0] == 2 and fits.sums[1][0] == 4
+
+
+def _resumed(comp, link=None, state=None, **settings):
+    """A fresh DP sync (as at a resume: ``link`` declared now, or none) loaded with
+    ``comp``'s checkpointed state (or ``state``), through ``torch.save`` as a checkpoint
+    holds it."""
+    import io
+
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from test_host_sync import fake_ddp_chunk
+
+    saved = io.BytesIO()
+    torch.save(comp.state_dict() if state is None else state, saved)
+    saved.seek(0)
+    fresh = DPGradientCompression([fake_ddp_chunk(n_buckets=1)], comp.dp_group, rank=4,
+                                  compress_single_replica=True, min_compression_rate=2.0,
+                                  start_iter=0, seed=0, bypass="auto", link=link, **settings)
+    fresh.load_state_dict(torch.load(saved, weights_only=False))
+    return fresh
+
+
+def test_a_resumed_run_decides_as_the_uninterrupted_one(one_process_group, monkeypatch):
+    """Issue 91: resumed after any iteration, the bypass takes the uninterrupted run's
+    decisions: the decision in force is restored (the hysteresis margin keeps a bucket
+    compressed whose refitted math is 1.3x the saving's worth, inside the 25 % band: a
+    margin of 0 sent it dense), and the samples of the window in progress reach its
+    refit (without them a window's median read 20 ms instead of 13)."""
+    from megatron_edgc.patches import bypass_planner
+
+    monkeypatch.setattr(bypass_planner, "measure_link",
+                        lambda pg, device: pytest.fail("the checkpoint's link is kept"))
+    cost = 0.01
+    comp, plan = _planner_with(one_process_group, LinkModel(1e-4, 1e-12), cost)
+    link = _link_with_saving(plan, 1e-4, 1.2 * cost)        # compressing saves 12 ms
+    comp.planner.links = {one_process_group: link}
+    wire = sum(plan.compressor.wire_bytes())
+    # the job's math (s) per iteration: window medians 13, 13, 25 ms
+    math_s = [0.013] * 3 + [0.020] * 2 + [0.013] * 7 + [0.025] * 3 + [0.013] * 10
+
+    def step(c, it):
+        c.set_iteration(it)
+        c.prepare_iteration()
+        dense = plan.key in c.dense_keys
+        busy = (0, plan.dense_bytes, link.allreduce_s(plan.dense_bytes), True) if dense \
+            else (0, wire, 2e-3, False)
+        c.planner.observe([busy], {plan.key: 0.002 if dense else math_s[it]},
+                          c.stats.predicted_local)
+        return dense
+
+    iters = len(math_s)
+    uninterrupted, states = [], []
+    for it in range(iters):
+        uninterrupted.append(step(comp, it))
+        states.append(_resumed(comp, link_window=5))     # a checkpoint after each iteration
+    assert uninterrupted == [False] * 15 + [True] * 10   # held compressed at 13 ms
+    for k, resumed in enumerate(states[:-1]):
+        in_force = resumed.planner.in_force
+        decisions = [step(resumed, it) for it in range(k + 1, iters)]
+        assert decisions == uninterrupted[k + 1:], f"resumed after iteration {k}"
+        assert in_force == (frozenset({plan.key}) if uninterrupted[k] else frozenset())
+        assert resumed.planner.cost_model == comp.planner.cost_model
+        assert resumed.planner.dense_local == comp.planner.dense_local
+
+
+def test_a_link_declared_at_the_resume_wins_over_the_checkpoint(one_process_group,
+                                                                monkeypatch):
+    """Issue 91: a link declared at the resume (``--edgc-link-gbps``,
+    ``--edgc-link-latency-ms``) prices the resumed run, not the checkpoint's; a link the
+    checkpoint declared is measured afresh where none is declared now; a checkpoint from
+    before the decisions were saved still loads its link and math."""
+    from megatron_edgc.patches import bypass_planner
+
+    measured = LinkModel(2e-4, 1e-10)
+    monkeypatch.setattr(bypass_planner, "measure_link", lambda pg, device: measured)
+    cost = 0.01
+    comp, plan = _planner_with(one_process_group, LinkModel(0.0, 8e-9), cost)   # 1 Gbit/s
+    comp.set_iteration(0)
+    comp.prepare_iteration()
+    declared = LinkModel.declared(0.1, 5e-3)
+    resumed = _resumed(comp, link=declared, link_window=5)
+    resumed.set_iteration(1)
+    resumed.prepare_iteration()
+    assert resumed.link == declared and resumed.stats.link_alpha_ms == pytest.approx(5.0)
+    assert resumed.stats.link_gbps == pytest.approx(declared.gbit_per_s)
+    assert resumed.planner.cost_model == comp.planner.cost_model
+    # declared before, not now: measured as a new run measures it
+    again = _resumed(resumed, link_window=5)
+    again.set_iteration(2)
+    again.prepare_iteration()
+    assert again.link == measured
+    # a checkpoint without the keys this issue added: its link and math, no decision
+    old = comp.state_dict()
+    old["cost_model"] = {k: v for k, v in old["cost_model"].items()
+                         if k in ("links", "cost_model", "dense_local")}
+    fresh = _resumed(comp, state=old, link_window=5)
+    assert fresh.planner.links[one_process_group] == comp.link
+    assert fresh.planner.cost_model == comp.planner.cost_model
+    assert fresh.planner.in_force == frozenset()
+
+
+def test_the_trainer_resumed_prices_with_the_link_it_declares(small_model_argv, tmp_path):
+    """Issue 91, through the command line: a run checkpointed on a declared 1 Gbit/s link
+    with no latency, resumed declaring 0.1 Gbit/s and 5 ms, prices every resumed
+    iteration with the link the resume declares (before: the checkpoint's)."""
+    from distributed import read_jsonl
+    from test_checkpoint import pretrain
+
+    base = small_model_argv + ["--pipeline-model-parallel-size", "1",
+                               "--data-parallel-size", "2", "--edgc-mode", "static",
+                               "--edgc-rank", "4", "--edgc-bypass", "auto",
+                               "--train-iters", "5", "--eval-interval", "5",
+                               "--save", str(tmp_path / "ck"), "--save-interval", "3"]
+    first, resumed = str(tmp_path / "first.jsonl"), str(tmp_path / "resumed.jsonl")
+    pretrain(base + ["--edgc-link-gbps", "1", "--metrics-file", first,
+                     "--exit-interval", "3"])
+    assert [(r["dp_link_gbps"], r["dp_link_alpha_ms"]) for r in read_jsonl(first)] == \
+        [(pytest.approx(1.0), 0.0)] * 3
+    pretrain(base + ["--edgc-link-gbps", "0.1", "--edgc-link-latency-ms", "5",
+                     "--metrics-file", resumed, "--load", str(tmp_path / "ck")])
+    records = read_jsonl(resumed)
+    assert [r["iteration"] for r in records] == [4, 5]
+    assert [(r["dp_link_gbps"], r["dp_link_alpha_ms"]) for r in records] == \
+        [(pytest.approx(0.1), pytest.approx(5.0))] * 2

@@ -245,28 +245,60 @@ class BypassPlanner:
     # -------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict:
-        """The measured models (links in :meth:`process_groups` order, the math's ``a, b``
-        per bucket), so that a resumed run prices as the uninterrupted one."""
+        """What the next decisions depend on, so that a resumed run decides as the
+        uninterrupted one: the links (in :meth:`process_groups` order) and whether they
+        were declared, the math's ``a, b`` and the dense local work per bucket, the
+        decisions in force (the hysteresis margin's side) and those agreed per rank
+        setting, and what the next refit reads (the samples since the last one, each
+        group's compressed transfers of the last window)."""
+        groups = self.process_groups()
         return {"links": [None if pg not in self.links else
                           [self.links[pg].alpha_s, self.links[pg].s_per_byte]
-                          for pg, _ in self.process_groups()],
+                          for pg, _ in groups],
+                "declared": self.declared is not None,
                 "cost_model": None if self.cost_model is None else
                 {k: list(v) for k, v in self.cost_model.items()},
-                "dense_local": dict(self.dense_local)}
+                "dense_local": dict(self.dense_local),
+                "in_force": None if self._dense is None else sorted(self._dense),
+                "agreed": [[setting, sorted(keys)] for setting, keys in self._agreed.items()],
+                "link_samples": {i: [list(x) for x in v] for i, v in self._samples.items()},
+                "local_samples": {k: [list(x) for x in v]
+                                  for k, v in self._local_samples.items()},
+                "compressed_seen": [None if self._compressed_seen.get(pg) is None else
+                                    [sorted(self._compressed_seen[pg][0]),
+                                     self._compressed_seen[pg][1]] for pg, _ in groups]}
 
     def load_state_dict(self, state: dict) -> None:
+        """A link declared now (``--edgc-link-gbps`` at the resume) wins over the
+        checkpoint's; a link the checkpoint declared is measured afresh where none is
+        declared now. Checkpoints from before the decisions were saved load their models."""
         groups = self.process_groups()
-        if len(state.get("links", [])) == len(groups):
+        measured = self.declared is None and not state.get("declared", False)
+        if measured and len(state.get("links", [])) == len(groups):
             for (pg, _), saved in zip(groups, state["links"]):
                 if saved is not None:
                     self.links[pg] = LinkModel(*saved)
             if groups and groups[0][0] in self.links:
                 self.link = self.links[groups[0][0]]
+            self._samples = {int(i): [tuple(x) for x in v]
+                             for i, v in state.get("link_samples", {}).items()}
+            seen_before = state.get("compressed_seen", [None] * len(groups))
+            for (pg, _), seen in zip(groups, seen_before):
+                if seen is not None and set(seen[0]) <= set(self.plans):
+                    self._compressed_seen[pg] = (frozenset(seen[0]), seen[1])
         cost = state.get("cost_model")
-        if cost is not None and set(cost) == set(self.plans):
-            self.cost_model = {k: tuple(v) for k, v in cost.items()}
-            self.dense_local = {k: v for k, v in state.get("dense_local", {}).items()
-                                if k in self.plans}
+        if cost is None or set(cost) != set(self.plans):
+            return
+        self.cost_model = {k: tuple(v) for k, v in cost.items()}
+        self.dense_local = {k: v for k, v in state.get("dense_local", {}).items()
+                            if k in self.plans}
+        self._local_samples = {k: [tuple(x) for x in v]
+                               for k, v in state.get("local_samples", {}).items()
+                               if k in self.plans}
+        if state.get("in_force") is not None:
+            self._dense = frozenset(state["in_force"]) & frozenset(self.plans)
+        self._agreed = {tuple(setting): frozenset(keys) & frozenset(self.plans)
+                        for setting, keys in state.get("agreed", [])}
 
     # -------------------------------------------------------- the one cost model
 
