@@ -7,8 +7,10 @@ error propagation) and sends ``P^`` and ``Q``, the receiver rebuilds ``P^ Qᵀ``
 receiver only agree on the rank (the caller's job). The same kernels, state and rule as
 a DP bucket: each message settled at once (its receiver used it in the same backward),
 each iteration by its outcome, rolled back to its start where not applied
-(:meth:`~megatron_edgc.compression.unit_state.UnitState.mark`). Its one temporary of the
-message's size is ``M`` in fp32 (the caller's gradient is left as it was).
+(:meth:`~megatron_edgc.compression.unit_state.UnitState.mark`, no copy). Memory of the
+message's size: ``E`` and a second residual, kept (the iteration's start while it is
+marked, else the spare its next first message takes into), and per message ``M`` in fp32,
+a copy of an fp32 gradient (left as it was) or, from bf16, slices of the bounded workspace.
 """
 
 from __future__ import annotations

@@ -353,7 +353,7 @@ class ErrorFeedback:
             m.mul_(self.inv_scale)
         temps = self.temporaries(m.device) if target is None else 0
         for a, b in self.slices(lo, hi, g, temps):
-            self.rule.store(g.residual[a:b], m[a - lo:b - lo], kept[a - lo:b - lo])
+            self.rule.store(g, a, b, m[a - lo:b - lo], kept[a - lo:b - lo])
 
     def write_result(self, g: ShapeGroup, views: list, result: tuple) -> None:
         """``C Dᵀ`` (``(C, D) = result``) written over the group's gradients: in place in an

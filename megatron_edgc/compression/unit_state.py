@@ -10,7 +10,9 @@ Lifecycle: :meth:`UnitState.begin` → the compressor forms ``M``, sends, takes 
 residuals and records what its message carried → :meth:`UnitState.settle`: applied only
 where the optimizer reported it, otherwise what the message carried of ``E`` is given
 back. The pipeline's sender settles each message at once and its iteration by the
-outcome: not applied, it rolls back to :meth:`UnitState.mark`.
+outcome: not applied, it rolls back to :meth:`UnitState.mark`, which holds the iteration's
+starting ``E`` and ``Q`` themselves, not copies (the first message takes its residual into
+a spare one).
 """
 
 from __future__ import annotations
@@ -50,8 +52,14 @@ class UnitState:
         self._factors: list = []
         self._residuals = False
         self._pending: list = []
-        #: the pipeline's sender: its groups' ``(Q, E)`` at the iteration's start (mark)
+        #: the pipeline's sender: its groups' ``(Q, E)`` at the iteration's start (mark),
+        #: the tensors themselves: nothing writes into a marked one (:meth:`store`)
         self._mark: Optional[dict] = None
+        #: group id -> the new residual a message takes into while its ``E`` is marked
+        self._taking: dict = {}
+        #: group names -> the residual an iteration left free (the mark's once applied, the
+        #: iteration's once rolled back): the next marked iteration takes into it
+        self._spare: dict = {}
 
     # ------------------------------------------------------------------ the lifecycle
 
@@ -86,19 +94,36 @@ class UnitState:
         finite = torch.isfinite(sent).view(sent.shape[0], -1).all(1).view(-1, 1, 1)
         torch.logical_or(finite.logical_not(), nonfinite.view(1, 1, 1), out=out)
 
-    @staticmethod
-    def store(residual: torch.Tensor, taken: torch.Tensor, keep: torch.Tensor) -> None:
-        """A residual ``taken`` (fp32, then free) into ``E`` where the matrix does not keep it."""
-        if residual.dtype == taken.dtype:
-            torch.where(keep, residual, taken, out=residual)
+    def store(self, g: ShapeGroup, lo: int, hi: int, taken: torch.Tensor,
+              keep: torch.Tensor) -> None:
+        """A residual ``taken`` (fp32, then free) of group ``g``'s matrices ``lo..hi`` into
+        ``E`` where the matrix does not keep it: in place, or, while ``E`` is the mark's
+        (a marked iteration's first message), into the spare residual (the first time a
+        new one) that becomes ``E`` at :meth:`carried_factors` (``E`` is read for ``M``
+        until then)."""
+        residual = g.residual
+        out = self._taking.get(id(g))
+        key = tuple(g.names)
+        if out is None and self._mark is not None and \
+                self._mark.get(key, (None, None))[1] is residual:
+            out = self._spare.pop(key, None)
+            if out is None or (out.shape, out.dtype, out.device) != \
+                    (residual.shape, residual.dtype, residual.device):
+                out = torch.empty_like(residual)
+            self._taking[id(g)] = out
+        old, out = residual[lo:hi], (residual if out is None else out)[lo:hi]
+        if out.dtype == taken.dtype:
+            torch.where(keep, old, taken, out=out)
             return
-        torch.where(keep, residual, taken, out=taken)
-        residual.copy_(taken)
+        torch.where(keep, old, taken, out=taken)
+        out.copy_(taken)
 
     def carried_factors(self, g: ShapeGroup, kept: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor) -> None:
         """The message carried ``A Bᵀ`` of group ``g``'s ``M`` (its residual now
-        ``(M - A Bᵀ)/s`` where ``kept`` is not set)."""
+        ``(M - A Bᵀ)/s`` where ``kept`` is not set, taken into a new tensor where ``E``
+        was marked: it becomes ``E``)."""
+        g.residual = self._taking.pop(id(g), g.residual)
         self._factors.append((g, kept, a, b))
 
     def carried_residuals(self) -> None:
@@ -146,27 +171,35 @@ class UnitState:
 
     def mark(self) -> None:
         """The pipeline's sender: its state at an iteration's start, before its first
-        message (module docstring); a mark still held (an outcome never reported, the
-        schedule run again) is rolled back to first."""
+        message (module docstring), held as it is, no copy: ``Q`` is replaced by a step,
+        never written, and the first message takes its residual into the spare one
+        (:meth:`store`). A mark still held (an outcome never reported, the schedule run
+        again) is rolled back to first. No copy; a unit that marks keeps two residuals per
+        group (``E`` and the mark's or the spare), as many as a copy of ``E`` held from
+        the first message to the outcome (the step's peak) would. Only the pipeline's
+        senders mark: they send no dense message, whose applied outcome zeroes ``E`` in
+        place."""
         self.settle_iteration(applied=False)
-        self._mark = {tuple(g.names): (g.q.clone(), g.residual.clone())
+        self._mark = {tuple(g.names): (g.q, g.residual)
                       for g in self.groups.values() if g.q is not None}
 
     def settle_iteration(self, applied: bool) -> None:
         """The iteration's outcome for a unit that :meth:`mark` ed its start: applied, its
-        messages stand; not applied, ``E`` and ``Q`` go back to the mark (``Q`` kept where
-        a rank change since resized it: a warm start at the new rank)."""
+        messages stand; not applied, ``E`` and ``Q`` are the mark's again (``Q`` at the
+        rank in force: :meth:`resize_warm_starts` resizes a held mark too). The residual
+        left free is the next iteration's spare."""
         mark, self._mark = self._mark, None
-        if mark is None or applied:
+        if mark is None:
             return
         for g in self.groups.values():
-            saved = mark.get(tuple(g.names))
-            if saved is None or g.residual is None:
+            key = tuple(g.names)
+            if g.residual is None or key not in mark:
                 continue
-            q, e = saved
-            g.residual.copy_(e)
-            if g.q.shape == q.shape:
-                g.q.copy_(q)
+            q, e = mark[key]
+            if e is not g.residual:      # a message took E into the spare
+                self._spare[key] = e if applied else g.residual
+            if not applied:
+                g.q, g.residual = q, e
 
     # ------------------------------------------------------------------ groups
 
@@ -192,11 +225,17 @@ class UnitState:
 
     def resize_warm_starts(self, rank_of, seeded) -> None:
         """After a rank change: each group's ``Q`` at its rank ``rank_of(g)``, trailing
-        columns dropped or ``seeded(g, tag, cols)`` ones appended (``E`` is rank-free)."""
+        columns dropped or ``seeded(g, tag, cols)`` ones appended, a held mark's too
+        (``E`` is rank-free)."""
         for g in self.groups.values():
-            if g.q is not None:
-                g.q = resized_warm_start(g.q, rank_of(g),
-                                         lambda tag, cols, g=g: seeded(g, tag, cols))
+            if g.q is None:
+                continue
+            seed = lambda tag, cols, g=g: seeded(g, tag, cols)  # noqa: E731
+            g.q = resized_warm_start(g.q, rank_of(g), seed)
+            key = tuple(g.names)
+            if key in (self._mark or {}):   # a held mark: the iteration's start, resized
+                q, e = self._mark[key]
+                self._mark[key] = (resized_warm_start(q, rank_of(g), seed), e)
 
     def init_group(self, g: ShapeGroup, q: torch.Tensor, dtype: torch.dtype) -> None:
         """A group's first state: warm start ``q``, residual zero but for the pending
@@ -209,7 +248,8 @@ class UnitState:
 
     def to(self, device, ef_dtype: torch.dtype) -> None:
         """Every tensor of the state on ``device`` (``Q`` fp32, ``E`` and pending ones in
-        ``ef_dtype``), wherever a checkpoint was mapped; nothing copied where they are."""
+        ``ef_dtype``, a held mark's likewise), wherever a checkpoint was mapped; nothing
+        copied where they are."""
         def put(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return t.to(t.device if device is None else device, dtype)
 
@@ -219,6 +259,10 @@ class UnitState:
             if g.residual is not None:
                 g.residual = put(g.residual, ef_dtype)
         self.pending = {k: put(v, ef_dtype) for k, v in self.pending.items()}
+        if self._mark is not None:
+            self._mark = {k: (put(q, torch.float32), put(e, ef_dtype))
+                          for k, (q, e) in self._mark.items()}
+        self._spare = {k: put(e, ef_dtype) for k, e in self._spare.items()}
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -237,7 +281,8 @@ class UnitState:
         for g in self.groups.values():
             if g.q is None:
                 continue
-            q, e = (self._mark or {}).get(tuple(g.names), (g.q, given.get(id(g), g.residual)))
+            q, e = (self._mark or {}).get(tuple(g.names)) or \
+                (g.q, given.get(id(g), g.residual))
             for j, name in enumerate(g.names):
                 out["matrices"][name] = {"q": q[j].cpu().clone(), "residual": e[j].cpu().clone()}
         return out
@@ -249,6 +294,7 @@ class UnitState:
         kept ``E`` in the units of a loss scale (``residual_units``): divided out here."""
         state = from_before_issue_71(state)
         self._factors, self._residuals, self._pending, self._mark = [], False, [], None
+        self._taking, self._spare = {}, {}
         self._zero = False
         units = state.get("residual_units")
         factor = None if units is None else 1.0 / float(units)
