@@ -218,12 +218,17 @@ def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, edgc_run, tmp_
     assert any(r["rank_dp"] != [8, 8] for r in whole[2:])      # the controller moved
 
 
-def test_bad_edgc_flag_fails_before_any_process_group(megatron_lm, tmp_path):
+@pytest.mark.parametrize("flag, error", [
+    (["--edgc-rank", "0"], "error: --edgc-rank: must be in [1, inf] (got 0)"),
+    # Megatron-LM's default, which runs an iteration again after a failed check (issue 91)
+    (["--rerun-mode", "validate_results"],
+     "error: --rerun-mode: validate_results runs an iteration again (")])
+def test_bad_edgc_flag_fails_before_any_process_group(megatron_lm, tmp_path, flag, error):
     out, losses, _ = run_megatron_lm(megatron_lm, megatron_lm[2],
-                                     ["--edgc-mode", "static", "--edgc-rank", "0",
+                                     ["--edgc-mode", "static", *flag,
                                       "--pipeline-model-parallel-size", "1"], tmp_path,
                                      "bad", expect_ok=False, nproc=1)
-    assert "error: --edgc-rank: must be in [1, inf] (got 0)" in out
+    assert error in out
     assert "initializing torch distributed" not in out and losses == []
 
 

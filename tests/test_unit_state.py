@@ -545,23 +545,52 @@ def test_a_save_changes_nothing_of_the_step_in_flight(one_process_group):  # noq
         assert torch.equal(saved["matrices"][name]["residual"], residual(comp, name))
 
 
-def test_a_dp_rerun_of_the_same_iteration_counts_its_gradient_twice():
-    """The known limit (docs/reliability.md): Megatron-LM's rerun machine recomputes an
-    iteration after a finite first run; a DP unit settles the first run as not applied
-    (its ``M`` given back) before the second takes the recomputed gradient, so what the
-    applied run delivered plus ``E`` is ``2 G + E_0``, the gradient twice (the pipeline's
-    senders roll back instead: counted once, above). Undoing it would need a copy of every
-    residual before every step."""
-    comp = BucketCompressor(ENTRIES, rank=2, seed=1, compress_all=True)
-    simulated_step([comp], grads_of(1, ranks=1))
-    comp.after_step(applied=True)
-    names = [n for g in comp.groups.values() for n in g.names]
-    e0 = {n: residual(comp, n).clone() for n in names}
-    g = grads_of(2, ranks=1)[0]
-    simulated_step([comp], [[t.clone() for t in g]], applied=None)   # the first run
-    delivered = [t.clone() for t in g]
-    simulated_step([comp], [delivered], applied=True)                 # the rerun, applied
-    for i, (name, _) in enumerate(ENTRIES):
-        if name in names:
-            total = delivered[i] + residual(comp, name)
-            assert relative(total, 2 * g[i] + e0[name]) < 1e-5, name
+def megatron_lm_args(*argv):
+    """Megatron-LM's ``args`` as the plug-in reads them: the ``--edgc-*`` flags parsed from
+    ``argv``, the rest a small TP1·PP2·DP2 job's values (``--rerun-mode`` as given)."""
+    import argparse
+
+    from megatron_edgc.megatron_lm.flags import add_args
+
+    parser = add_args(argparse.ArgumentParser())
+    parser.add_argument("--rerun-mode", default="validate_results")   # Megatron-LM's default
+    args = parser.parse_args(list(argv))
+    for name, value in dict(
+            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+            seq_length=64, max_position_embeddings=64, tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=2, data_parallel_size=2,
+            virtual_pipeline_model_parallel_size=None, overlap_grad_reduce=False,
+            use_distributed_optimizer=False, micro_batch_size=2, global_batch_size=8,
+            train_iters=8, train_samples=None, seed=1234, save=None, load=None).items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize("mode", ["validate_results", "report_stats", None])
+def test_a_rerun_of_an_iteration_is_refused_by_name(mode):
+    """Issue 91: Megatron-LM's rerun machine runs an iteration's forward and backward again
+    (``validate_results``, its default, after a failed check of the loss; ``report_stats``
+    every iteration). A DP bucket takes the first run's gradient into ``E`` in place during
+    the backward, before a re-run is decided, so its second run counted the gradient twice
+    (``2 G + E_0`` delivered plus kept, the test this replaces pinned it); undoing it would
+    take a copy of every residual each iteration. So the plug-in refuses those modes by
+    name before any process group exists, and accepts ``disabled``; with DP compression off
+    (the pipeline's senders roll back to their mark, counting a re-run once) and with EDGC
+    off, every mode runs."""
+    from megatron_edgc.config import ConfigError
+    from megatron_edgc.megatron_lm.flags import run_config
+
+    given = [] if mode is None else ["--rerun-mode", mode]   # None: Megatron-LM's default
+    with pytest.raises(ConfigError) as refused:
+        run_config(megatron_lm_args("--edgc-mode", "static", *given))
+    message = str(refused.value)
+    name = mode or "validate_results"
+    assert message.startswith(f"--rerun-mode: {name} runs an iteration again (")
+    assert "count twice" in message and message.endswith(
+        "pass --rerun-mode disabled (a NaN or Inf loss still stops the job)")
+    assert run_config(megatron_lm_args("--edgc-mode", "edgc", "--rerun-mode", "disabled"))
+    assert run_config(megatron_lm_args("--edgc-mode", "off", "--edgc-pp-compression",
+                                       "static", *given))
+    assert run_config(megatron_lm_args(*given))
+
+

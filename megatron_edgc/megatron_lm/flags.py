@@ -14,6 +14,15 @@ from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, add_knob_a
 #: follows (docs/megatron-lm-seams.md §3); ``--async-save`` included.
 CKPT_FORMATS = ("torch", "torch_dist")
 
+#: Megatron-LM's ``--rerun-mode`` values that run an iteration's forward and backward again
+#: (its rerun state machine, core_v0.16.1 and core_v0.19.0 alike), and when.
+RERUN_MODES = {
+    "validate_results": "Megatron-LM's default: again after a failed check of the loss "
+                        "(NaN, Inf, --check-for-spiky-loss, --error-injection-rate), then "
+                        "again from the checkpoint it saves",
+    "report_stats": "every iteration twice",
+}
+
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the ``--edgc-*`` flags, in the trainer's
@@ -105,3 +114,11 @@ def _refuse_unsupported(args) -> None:
         refuse("--cuda-graph-impl", "graphs would skip the per-step hooks")
     if args.edgc_pp_compression != "off" and getattr(args, "rampup_batch_size", None):
         refuse("--rampup-batch-size", "PP compression fixes the micro-batch count")
+    mode = getattr(args, "rerun_mode", "disabled")
+    mode = getattr(mode, "value", mode)   # the enum, where a script set it so
+    if args.edgc_mode != "off" and mode != "disabled":   # the pipeline's senders roll back
+        raise ConfigError("--rerun-mode", (
+            f"{mode} runs an iteration again ({RERUN_MODES.get(mode, 'a re-run')}), which "
+            "EDGC would count twice: a DP bucket takes the iteration's gradient into its "
+            "residual during the backward, in place, before a re-run is decided; pass "
+            "--rerun-mode disabled (a NaN or Inf loss still stops the job)"))
