@@ -70,6 +70,7 @@ class UnitState:
         any to carry (none: the state stays :attr:`clear`)."""
         clear = self.clear
         self.settle(applied=False)
+        self._taking = {}   # a pass that never reached carried_factors left E as it was
         self._zero = dense and clear
         self.ef.begin(loss_scale)
         return not clear
@@ -171,14 +172,13 @@ class UnitState:
 
     def mark(self) -> None:
         """The pipeline's sender: its state at an iteration's start, before its first
-        message (module docstring), held as it is, no copy: ``Q`` is replaced by a step,
-        never written, and the first message takes its residual into the spare one
-        (:meth:`store`). A mark still held (an outcome never reported, the schedule run
-        again) is rolled back to first. No copy; a unit that marks keeps two residuals per
-        group (``E`` and the mark's or the spare), as many as a copy of ``E`` held from
-        the first message to the outcome (the step's peak) would. Only the pipeline's
-        senders mark: they send no dense message, whose applied outcome zeroes ``E`` in
-        place."""
+        message (module docstring), held as it is: a step replaces ``Q`` and never writes
+        it, and the first message takes its residual into the spare one (:meth:`store`).
+        A mark still held (an outcome never reported, the schedule run again) is rolled
+        back to first. Copies nothing; a unit that marks keeps two residuals per group
+        (``E`` and the mark's or the spare), as many as a copy of ``E`` held from the first
+        message to the outcome (across the step's peak) would. Only the pipeline's senders
+        mark: they send no dense message (whose applied outcome zeroes ``E`` in place)."""
         self.settle_iteration(applied=False)
         self._mark = {tuple(g.names): (g.q, g.residual)
                       for g in self.groups.values() if g.q is not None}
