@@ -566,31 +566,44 @@ def megatron_lm_args(*argv):
     return args
 
 
-@pytest.mark.parametrize("mode", ["validate_results", "report_stats", None])
-def test_a_rerun_of_an_iteration_is_refused_by_name(mode):
+@pytest.mark.parametrize("mode", ["validate_results", "report_stats"])
+def test_a_rerun_of_an_iteration_is_refused_by_name(mode, monkeypatch, capsys):
     """Issue 91: Megatron-LM's rerun machine runs an iteration's forward and backward again
     (``validate_results``, its default, after a failed check of the loss; ``report_stats``
     every iteration). A DP bucket takes the first run's gradient into ``E`` in place during
     the backward, before a re-run is decided, so its second run counted the gradient twice
     (``2 G + E_0`` delivered plus kept, the test this replaces pinned it); undoing it would
     take a copy of every residual each iteration. So the plug-in refuses those modes by
-    name before any process group exists, and accepts ``disabled``; with DP compression off
-    (the pipeline's senders roll back to their mark, counting a re-run once) and with EDGC
-    off, every mode runs."""
+    name before any process group exists when the user gives them, and takes ``disabled``
+    in place of Megatron-LM's default, saying so; with DP compression off (the pipeline's
+    senders roll back to their mark, counting a re-run once) and with EDGC off, every mode
+    runs."""
     from megatron_edgc.config import ConfigError
     from megatron_edgc.megatron_lm.flags import run_config
 
-    given = [] if mode is None else ["--rerun-mode", mode]   # None: Megatron-LM's default
+    given = ["--rerun-mode", mode]
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *given])
     with pytest.raises(ConfigError) as refused:
         run_config(megatron_lm_args("--edgc-mode", "static", *given))
     message = str(refused.value)
-    name = mode or "validate_results"
-    assert message.startswith(f"--rerun-mode: {name} runs an iteration again (")
+    assert message.startswith(f"--rerun-mode: {mode} runs an iteration again (")
     assert "count twice" in message and message.endswith(
         "pass --rerun-mode disabled (a NaN or Inf loss still stops the job)")
     assert run_config(megatron_lm_args("--edgc-mode", "edgc", "--rerun-mode", "disabled"))
     assert run_config(megatron_lm_args("--edgc-mode", "off", "--edgc-pp-compression",
                                        "static", *given))
     assert run_config(megatron_lm_args(*given))
+    # not given: Megatron-LM's default validate_results, taken as disabled with a line
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--rerun-modes-unrelated"])
+    capsys.readouterr()
+    args = megatron_lm_args("--edgc-mode", "static")
+    assert run_config(args) and args.rerun_mode == "disabled"
+    assert capsys.readouterr().out == (
+        "EDGC: --rerun-mode disabled, as none was given: validate_results runs an "
+        "iteration again (Megatron-LM's default: again after a failed check of the loss "
+        "(NaN, Inf, --check-for-spiky-loss, --error-injection-rate), then again from the "
+        "checkpoint it saves), which EDGC would count twice: a DP bucket takes the "
+        "iteration's gradient into its residual during the backward, in place, before a "
+        "re-run is decided (a NaN or Inf loss still stops the job)\n")
 
 

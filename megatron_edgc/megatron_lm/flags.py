@@ -5,6 +5,7 @@ names, defaults, ranges and one-line errors as this project's trainer."""
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 
 from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, add_knob_arguments,
@@ -116,9 +117,22 @@ def _refuse_unsupported(args) -> None:
         refuse("--rampup-batch-size", "PP compression fixes the micro-batch count")
     mode = getattr(args, "rerun_mode", "disabled")
     mode = getattr(mode, "value", mode)   # the enum, where a script set it so
-    if args.edgc_mode != "off" and mode != "disabled":   # the pipeline's senders roll back
-        raise ConfigError("--rerun-mode", (
-            f"{mode} runs an iteration again ({RERUN_MODES.get(mode, 'a re-run')}), which "
-            "EDGC would count twice: a DP bucket takes the iteration's gradient into its "
-            "residual during the backward, in place, before a re-run is decided; pass "
-            "--rerun-mode disabled (a NaN or Inf loss still stops the job)"))
+    if args.edgc_mode == "off" or mode == "disabled":   # the pipeline's senders roll back
+        return
+    why = (f"{mode} runs an iteration again ({RERUN_MODES.get(mode, 'a re-run')}), which "
+           "EDGC would count twice: a DP bucket takes the iteration's gradient into its "
+           "residual during the backward, in place, before a re-run is decided")
+    if _given("--rerun-mode"):
+        raise ConfigError("--rerun-mode", f"{why}; pass --rerun-mode disabled (a NaN or Inf "
+                                          f"loss still stops the job)")
+    args.rerun_mode = "disabled"   # Megatron-LM's default, not the user's choice
+    if getattr(args, "rank", 0) == 0:
+        print(f"EDGC: --rerun-mode disabled, as none was given: {why} (a NaN or Inf loss "
+              f"still stops the job)", flush=True)
+
+
+def _given(flag: str, argv=None) -> bool:
+    """Whether ``flag`` is on the command line (Megatron-LM's parser takes no
+    abbreviations: the flag itself, or ``flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in
+               (sys.argv[1:] if argv is None else argv))
