@@ -117,7 +117,8 @@ def run_one(i: int, out: str, flags: list, reuse: bool) -> dict:
         with open(os.path.join(out, f"{i}.log"), "w") as log:
             code = subprocess.run([sys.executable, "pretrain_gpt2_edgc.py", *flags,
                                    "--save", ckpt, "--metrics-file", metrics],
-                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+                                  cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT).returncode
         if code:
             raise RuntimeError(f"run {i} failed (exit {code}): see {out}/{i}.log")
         params, opt = final_state(ckpt)
@@ -236,20 +237,30 @@ def analyse(runs: list) -> dict:
 
 
 def cpu_model() -> str:
+    """The CPU's model name with its family and model (a virtual machine may name only the
+    vendor: ``AMD EPYC (family 25, model 17)`` is a Zen 4)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as fh:
-            names = [l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")]
-        return names[0] if names else "?"
+            for line in fh:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return "?"
+        pass
+    name = fields.get("model name", "?")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def commit() -> str:
-    """The commit, ``+modified`` where the tracked tree differs from it."""
+    """The commit, ``+modified`` where the tracked tree differs from it (the benchmarks'
+    own outputs, BENCHMARKS.md and bench/results/, aside)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!BENCHMARKS.md", ":!bench/results"],
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return head + ("+modified" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
