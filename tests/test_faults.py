@@ -239,10 +239,14 @@ def test_failed_save_says_so_once_and_keeps_the_last_checkpoint(small_model_argv
                                         "latest_checkpointed_iteration.txt"]
     assert (save / "iter_0000010.tmp").read_text() == "in the way"
     assert sorted(os.listdir(save / "iter_0000005")) == [
-        "model_optim_tp00_pp000.pt", *(f"rank_state_{r:05d}.pt" for r in range(4))]
+        "model_optim_tp00_pp000.pt", "precision.txt",
+        *(f"rank_state_{r:05d}.pt" for r in range(4))]
+    assert (save / "iter_0000005" / "precision.txt").read_text() == "bf16\n"
     import torch
 
     for name in os.listdir(save / "iter_0000005"):
+        if name == "precision.txt":
+            continue
         state = torch.load(save / "iter_0000005" / name, weights_only=False)
         assert state["iteration"] == 5
         if not name.startswith("rank_state"):
