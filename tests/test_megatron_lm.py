@@ -157,10 +157,15 @@ def edgc_run(megatron_lm, tmp_path_factory):
 def test_mode_off_is_megatron_lm_and_edgc_trains_with_bytes_from_shapes(megatron_lm, edgc_run,
                                                                          tmp_path):
     _, unmodified, _ = run_megatron_lm(megatron_lm, megatron_lm[1], [], tmp_path, "plain")
-    _, off, off_records = run_megatron_lm(megatron_lm, megatron_lm[2], [], tmp_path, "off")
+    off_out, off, off_records = run_megatron_lm(megatron_lm, megatron_lm[2], [], tmp_path,
+                                                "off")
     assert len(unmodified) == 8 and off == unmodified          # bitwise, as printed
     assert off_records == []                                   # nothing built, nothing logged
+    # the summary says whether EDGC ran (issue 92)
+    assert "| EDGC did not run (--edgc-mode off, --edgc-pp-compression off: dense)" in off_out
     out, losses, records, tb = edgc_run
+    assert re.search(r"EDGC summary \| 8 iterations \|.*\| EDGC ran \(DP edgc, PP edgc\)\n",
+                     out), out[-3000:]
     assert "DP compression (edgc): r_max: at rank 8 22 of 22 weight matrices compress" in out
     # Megatron-LM's line for iteration 2 prints the mean of iterations 1-2 (its loss
     # accumulator is first reset at iteration 2's log); every other line one iteration's.
@@ -216,6 +221,56 @@ def test_resume_from_megatron_lm_checkpoint_is_exact(megatron_lm, edgc_run, tmp_
     keys = ("iteration", "loss", "rank_dp", "rank_pp", "dp_bytes_sent_job", "pp_bytes_sent_job")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
     assert any(r["rank_dp"] != [8, 8] for r in whole[2:])      # the controller moved
+
+
+OWN_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "own_loop_job.py")
+
+
+def run_own_loop(megatron_lm, tmp_path, *flags) -> tuple:
+    """``tests/own_loop_job.py`` on 2 gloo processes (DP 2): (exit code, output)."""
+    where, _, _, (python, pythonpath) = megatron_lm
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([where, ROOT, pythonpath]))
+    proc = warm.run(torchrun_command(python, OWN_LOOP, list(flags), 2), env=env,
+                    cwd=str(tmp_path), timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_loop_the_plug_in_does_not_reach_stops_before_its_first_step(megatron_lm, tmp_path):
+    """Issue 92: a loop of one's own on megatron-core (GPTModel, DDP, optimizer, schedule;
+    no Megatron-LM ``train_step``) trains 3 iterations without the plug-in; after
+    ``enable()`` it stops at its first gradient sync, before any step, every rank alike,
+    with one line naming the loop and what to do (before: it trained dense, without a word).
+    Run from a module named as Megatron-Bridge's loop, the line names Megatron-Bridge."""
+    rc, out = run_own_loop(megatron_lm, tmp_path)
+    assert rc == 0, out[-4000:]
+    losses = {}
+    for rank_line in re.findall(r"own loop: iteration (\d) loss ([0-9.]+) step applied", out):
+        losses.setdefault(int(rank_line[0]), []).append(float(rank_line[1]))
+    assert sorted(losses) == [1, 2, 3] and all(len(v) == 2 for v in losses.values()), out
+    assert sum(losses[3]) < sum(losses[1]) - 0.1, losses      # it trains
+    assert out.count("own loop: done") == 2
+
+    head = ("error: EDGC never engaged: megatron_edgc.megatron_lm.enable() was called, but the "
+            "job reached its first gradient sync (megatron-core's DistributedDataParallel."
+            "finish_grad_sync) in ")
+    rc, out = run_own_loop(megatron_lm, tmp_path, "--enable")
+    assert rc != 0 and out.count(head) == 1, out[-4000:]       # rank 0 says it, once
+    line = out[out.index(head):].splitlines()[0]
+    assert line.startswith(head + f"__main__.train at {OWN_LOOP}:"), line
+    assert ("a loop the plug-in does not reach (it wraps Megatron-LM's "
+            "megatron.training.training.train_step): the job would train dense. Train "
+            "through Megatron-LM's pretrain(...) with the plug-in's two lines") in line, line
+    assert "remove enable() to train dense on purpose" in line
+    assert "own loop: iteration" not in out and "own loop: done" not in out
+
+    rc, out = run_own_loop(megatron_lm, tmp_path, "--enable", "--as-bridge")
+    assert rc != 0 and out.count(head) == 1, out[-4000:]
+    line = out[out.index(head):].splitlines()[0]
+    assert line.startswith(head + "Megatron-Bridge's loop, megatron.bridge.training.train."
+                                  f"train at {OWN_LOOP}:"), line
+    assert "this package has no Megatron-Bridge adapter: docs/megatron-lm.md#" in line
+    assert "own loop: iteration" not in out
 
 
 @pytest.mark.parametrize("flag, error", [

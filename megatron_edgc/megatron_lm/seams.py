@@ -154,7 +154,17 @@ def _end_of_step(out, call: dict) -> None:
         compressed = f" | {CompressionTally.line(runtime.tally.summary())}" \
             if runtime is not None and runtime.dp_compression is not None else ""
         log_rank0(f"EDGC summary | {done} iterations | {len(guard.skipped)} skipped for a "
-                  f"non-finite gradient{which}{scaler}{compressed}")
+                  f"non-finite gradient{which}{scaler}{compressed} | {ran_words(runtime)}")
+
+
+def ran_words(runtime) -> str:
+    """Whether EDGC ran, for the summary line: ``EDGC ran (DP edgc, PP off)``, or ``EDGC did
+    not run (--edgc-mode off, --edgc-pp-compression off: dense)``."""
+    e = _state.cfg.edgc if _state.cfg is not None else None
+    if runtime is None or e is None:
+        return ("EDGC did not run (--edgc-mode off, --edgc-pp-compression off: dense)"
+                if e is not None else "EDGC did not run (the --edgc-* flags were never read)")
+    return f"EDGC ran (DP {e.mode}, PP {e.pp_compression})"
 
 
 def _build_runtime(model, optimizer, scheduler) -> None:
@@ -217,7 +227,11 @@ def _train_step(original):
 
     @functools.wraps(original)
     def train_step(*args_, **kwargs):
-        out = edgc_step(*args_, **kwargs)
+        _state.stepping = True   # the loop is Megatron-LM's (loop_check)
+        try:
+            out = edgc_step(*args_, **kwargs)
+        finally:
+            _state.stepping = False
         _end_of_step(out, signature.bind(*args_, **kwargs).arguments)
         return out
 
@@ -352,15 +366,20 @@ def check_seams() -> None:
 
 
 def enable() -> None:
-    """Install the wrappers (idempotent), and megatron-core's torch-Adam resume fix
+    """Install the wrappers (idempotent), megatron-core's torch-Adam resume fix
     (:mod:`megatron_edgc.patches.torch_adam_resume`) where neither Apex nor TE is
-    installed. Call before ``pretrain(...)``."""
+    installed, and the check at the job's first gradient sync or optimizer step that EDGC
+    engaged (:mod:`.loop_check`: a loop these seams do not reach stops there, saying so).
+    Call before ``pretrain(...)``."""
     import importlib
 
+    from megatron_edgc.megatron_lm.loop_check import check_first_step
+    from megatron_edgc.patches import first_step
     from megatron_edgc.patches.torch_adam_resume import apply_torch_adam_resume_fix
 
     check_seams()
     apply_torch_adam_resume_fix()
+    first_step.watch(check_first_step)
     for (module_name, name), wrap in _WRAPPERS.items():
         module = importlib.import_module(module_name)
         current = getattr(module, name, None)
@@ -378,6 +397,9 @@ def disable() -> None:
     """Restore the originals and drop the runtime (in-process tests)."""
     import importlib
 
+    from megatron_edgc.patches import first_step
+
+    first_step.unwatch()
     for (module_name, name), original in _state.originals.items():
         setattr(importlib.import_module(module_name), name, original)
     _state.originals.clear()
@@ -388,5 +410,5 @@ def disable() -> None:
     if _state.guard is not None:
         _state.guard.uninstall()
     _state.cfg = _state.runtime = _state.records = _state.stashed = _state.guard = None
-    _state.first_iteration, _state.skipped = None, 0
+    _state.first_iteration, _state.skipped, _state.stepping = None, 0, False
 

@@ -17,6 +17,7 @@ class PluginState:
         self.guard = None                       # NonFiniteStepGuard on Megatron's optimizer
         self.first_iteration: Optional[int] = None   # this process's first train_step
         self.skipped = 0                        # steps not applied (the guard's, the scaler's)
+        self.stepping = False                   # inside the wrapped train_step (loop_check)
 
     def compression_on(self) -> bool:
         cfg = self.cfg
