@@ -27,6 +27,9 @@ docs/megatron-lm-seams.md says why these):
   ``latest`` pointer, and reads it back on resume (:mod:`.checkpoint`).
 
 With ``--edgc-mode off`` and ``--edgc-pp-compression off`` every wrapper passes through.
+A job that called ``enable`` but trains through a loop these seams do not reach (its own,
+Megatron-Bridge's) stops at its first gradient sync or optimizer step with one line naming
+the loop (:mod:`.loop_check`); the summary line at the last iteration says whether EDGC ran.
 On CPU (tests, laptops) ``python -m megatron_edgc.megatron_lm.cpu pretrain_gpt.py ...``
 runs the script with the CUDA shims of :mod:`.cpu_shims`.
 """
