@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -458,6 +459,104 @@ def code_version() -> str:
         "-dirty" if git("status", "--porcelain", "-uno", "--", *TIMED_CODE) else "")
 
 
+#: The files a mode's process executes (issue 93), by the script it runs: the package
+#: (``configs`` is a link into it) and the script itself. The rule is conservative and
+#: needs no import tracing: any change in the package counts for every mode, a change in
+#: one script only for the modes that run it. The bench's own code (this file, the shaped
+#: links, the pricing) runs in the bench's process, one version per report, not the mode's.
+EXECUTES = {TRAINER: ("megatron_edgc", "configs", TRAINER),
+            DDP: ("megatron_edgc", "configs", DDP)}
+
+
+@functools.lru_cache(maxsize=None)
+def _committed_changes(a: str, b: str, paths: tuple):
+    """The files of ``paths`` changed between commits ``a`` and ``b``; None where git does
+    not know one of them."""
+    if a == b:
+        return ()
+    from bench.report import _git
+
+    out = _git("diff", "--name-only", a, b, "--", *paths)
+    return None if out is None else tuple(out.split())
+
+
+def stamps_differ(a: dict, b: dict, paths) -> list:
+    """The files of ``paths`` whose code may differ between two stamped runs (issue 93):
+    those changed between their commits, and, unless both ran the same commit with the
+    same uncommitted diff, every file either diff touched; ``["commit X unknown"]`` where
+    git cannot tell."""
+    if a["commit"] == b["commit"] and a.get("diff") == b.get("diff"):
+        return []
+    paths = tuple(paths)
+    changed = _committed_changes(a["commit"], b["commit"], paths)
+    if changed is None:
+        return [f"commit {a['commit'][:12]} or {b['commit'][:12]} unknown here"]
+    under = lambda f: any(f == p or f.startswith(p + "/") for p in paths)  # noqa: E731
+    return sorted(set(changed) | {f for f in (*a.get("dirty", ()), *b.get("dirty", ()))
+                                  if under(f)})
+
+
+def code_conflict(runs) -> str | None:
+    """The rule a comparison is priced by (issue 93): every pair of the runs it reads
+    (``(script, stamp)``) must have run the same code in every file both execute
+    (:data:`EXECUTES`); returns the first difference as the report words it, None where
+    there is none. Unstamped runs (recorded before stamps) cannot be checked: left out
+    here, named "unstamped" in the report."""
+    seen = {}
+    for script, stamp in runs:
+        if stamp:
+            seen.setdefault((script, json.dumps(stamp, sort_keys=True)), (script, stamp))
+    items = sorted(seen.values(), key=lambda v: (v[0], json.dumps(v[1], sort_keys=True)))
+    for i, (s1, a) in enumerate(items):
+        for s2, b in items[i + 1:]:
+            shared = [p for p in EXECUTES.get(s1, ()) if p in EXECUTES.get(s2, ())]
+            files = stamps_differ(a, b, shared)
+            if files:
+                from bench.report import stamp_text
+
+                more = f" and {len(files) - 2} more" if len(files) > 2 else ""
+                return (f"{', '.join(files[:2])}{more} differ between {stamp_text(a)} and "
+                        f"{stamp_text(b)}")
+    return None
+
+
+def mode_runs(data: dict, rate: str, mode: str) -> list:
+    """``(script, stamp)`` of every run mode ``mode``'s time to target on ``rate`` reads:
+    its loss curves (a timing-only mode's: the mode whose curve it takes) and its timing
+    runs (a tuned DiLoCo's: the paper setting's of its H, the same script)."""
+    table = modes()
+    script = table[mode][0] if mode in table else None
+    loss_script = table.get(LOSS_OF.get(mode, mode), (script,))[0]
+    runs = [(loss_script, records[0].get("code") if records else None)
+            for records in curves(data, rate).get(mode, {}).values()]
+    runs += [(script, fig.get("code")) for fig in data["time"].get(rate, {}).get(mode, [])]
+    return runs
+
+
+def pair_refusal(data: dict, rate: str, a: str, b: str) -> str | None:
+    """Why the ratio of ``a`` to ``b`` on ``rate`` is not priced (their runs differ in a
+    file both execute: :func:`code_conflict`), None where it is."""
+    return code_conflict(mode_runs(data, rate, a) + mode_runs(data, rate, b))
+
+
+def stamps_line(data: dict) -> str:
+    """Each mode's code, as the report names it: the stamps of the runs it reads over
+    every link (loss and timing), "unstamped" for runs recorded before stamps."""
+    from bench.report import stamp_text
+
+    lines = []
+    for mode in modes():
+        stamps = {}
+        for rate in data["time"]:
+            for _, stamp in mode_runs(data, rate, mode):
+                text = stamp_text(stamp)
+                stamps[text] = stamps.get(text, 0) + 1
+        if stamps:
+            lines.append(f"{mode}: " + ", ".join(
+                f"{t} ({n} run{'s' * (n > 1)})" for t, n in sorted(stamps.items())))
+    return "; ".join(lines) or "no runs"
+
+
 #: Each precision's timing session, a folder of ``out``: ratios are taken within one
 #: precision, and bf16 is timed only on a CPU with bf16 instructions (a CPU without them
 #: converts every bf16 operand, 4-80x slower: issue 80), which need not be the fp32 one's.
@@ -657,7 +756,8 @@ def timing_figures(records, round_len: int = 1) -> dict:
     if stop <= start:   # a run of before issue 80, shorter than a round after its start
         start, stop = max(3, end + 2), float("inf")
     warm = [r["iter_ms"] for r in records if 3 <= r["iteration"] <= end]
-    return {"iter_ms": steady(records, "iter_ms", start, stop),
+    return {"code": records[0].get("code") if records else None,   # None: unstamped
+            "iter_ms": steady(records, "iter_ms", start, stop),
             "warmup_ms": float(numpy.mean(warm)) if len(warm) >= 3 else None,
             "rank_ms": rank_costs(records, start),
             "sync_ms": steady(records, "grad_sync_ms", start, stop),
@@ -784,6 +884,10 @@ def times_to_target(data: dict, rate: str, target) -> dict:
     for mode, seeds in loss.items():
         if mode not in timing or dense is None or target is None:
             continue
+        why = code_conflict(mode_runs(data, rate, mode))
+        if why:   # its curve and its timing (or two curves) ran different code: no price
+            data.setdefault("refused", {}).setdefault(rate, {})[mode] = why
+            continue
         vals = {}
         for seed, records in sorted(seeds.items()):
             for rep, fig in enumerate(timing[mode]):
@@ -900,7 +1004,9 @@ def goal_table(verdicts: dict) -> str:
     for rate, v in verdicts.items():
         for prec, edgc in EDGC_OF.items():
             ratios = v["vs_peer"].get(edgc)
-            cell = goal_verdict(ratios, GOAL[rate]) if ratios else "no pairs"
+            refused = v.get("refused", {}).get(edgc)
+            cell = goal_verdict(ratios, GOAL[rate]) if ratios else \
+                f"not priced: {refused}" if refused else "no pairs"
             split = v.get("split", {}).get(edgc) or {}
             lines.append(f"| {rate.replace('mbit', ' Mbit').replace('gbit', ' Gbit')} | "
                          f"{prec} | {v['best_peer'].get(prec) or '—'} | {cell} | "
@@ -928,7 +1034,8 @@ def report(data: dict) -> tuple[str, dict]:
         for prec in ("fp32", "bf16"):
             best[prec] = fastest_peer({m: v for m, v in ttt.items() if m not in OURS
                                        and precision(m) == prec})
-        verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}, "split": {}}
+        verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}, "split": {},
+                          "refused": {}}
         for mode in modes():
             figs = data["time"][rate].get(mode)
             if not figs or not loss.get(mode):   # timed, no curve of this length
@@ -940,7 +1047,11 @@ def report(data: dict) -> tuple[str, dict]:
                 spread(shares, ".0%") + " / " + spread([dense_share(r) for r in
                                                        loss[mode].values()], ".0%"))
             vs, vs_static = "—", "—"
-            ratios = paired(ttt, mode, best[prec]) if best[prec] else None
+            why = pair_refusal(data, rate, mode, best[prec]) if best[prec] else None
+            ratios = paired(ttt, mode, best[prec]) if best[prec] and not why else None
+            if why:   # issue 93: no ratio across runs of differing code
+                vs = f"not priced: {why}"
+                verdicts[rate]["refused"][mode] = why
             if ratios:
                 vs = "1 (best peer)" if mode == best[prec] else ratio_verdict(ratios)
                 verdicts[rate]["vs_peer"][mode] = ratios
@@ -949,12 +1060,18 @@ def report(data: dict) -> tuple[str, dict]:
                                                                best[prec])
             static = STATIC_OF[prec]
             if mode in OURS and mode != static and "dense" not in mode:
-                ratios = paired(ttt, mode, static)
+                why = pair_refusal(data, rate, mode, static)
+                ratios = None if why else paired(ttt, mode, static)
+                if why:
+                    vs_static = f"not priced: {why}"
                 if ratios:
                     vs_static = ratio_verdict(ratios)
                     verdicts[rate]["vs_static"][mode] = ratios
 
-            def t_cell(vals):
+            def t_cell(vals, mode=mode):
+                refused = data.get("refused", {}).get(rate, {}).get(mode)
+                if refused:
+                    return f"not priced: {refused}"
                 vals = list((vals or {}).values())
                 return spread(vals) if vals and None not in vals else \
                     f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
@@ -996,13 +1113,19 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
                     if v and None not in v.values()}
             lead = min(done, key=done.get) if done else None
             ratios = [r for m in done if m != lead for r in (paired(ttt, lead, m) or [])]
+            # a lead across runs of differing code is not named (issue 93)
+            refused = lead is not None and any(pair_refusal(data, rate, lead, m)
+                                               for m in done if m != lead)
             best.append((lead, ratio_verdict(ratios)) if ratios and max(ratios) < 1.0
-                        else (None, None))
+                        and not refused else (None, None))
         for mode in modes():
             if mode not in per_level[0]:
                 continue
             cells = []
             for ttt, (fastest, how) in zip(per_level, best):
+                if mode not in ttt:   # its own runs differ in code: not priced
+                    cells.append("not priced")
+                    continue
                 vals = list(ttt[mode].values())
                 cell = spread(vals) if None not in vals else \
                     f"not reached in {sum(v is None for v in vals)} of {len(vals)}"
@@ -1073,6 +1196,7 @@ def main() -> int:
     target, old = target_loss(data), old_target_loss(data)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"target": target, "old_target": old, "verdicts": verdicts,
+                   "stamps": stamps_line(data), "refused": data.get("refused", {}),
                    "timing": data["time"],
                    "iterations_to_target": {rate: iterations_to(data, target, rate)
                                             for rate in data["time"]},
@@ -1109,7 +1233,12 @@ def main() -> int:
             f"Ratios pair seeds × repetitions against the fastest peer (a mode not this "
             f"product's) trained in the same precision, and EDGC against static PowerSGD at "
             f"r_max of its precision; faster or slower only where every paired ratio is "
-            f"on one side of 1, not resolved otherwise.\n\n"
+            f"on one side of 1, not resolved otherwise. Code (issue 93): every record "
+            f"carries the commit it ran and a hash of any uncommitted diff; no time or ratio "
+            f"is priced across runs that differ in a file both execute (the package, and "
+            f"the trainer or bench/torch_ddp_peers.py: \"not priced\" says which), and runs "
+            f"recorded before stamps read as \"unstamped\", their code not checked. "
+            f"Each mode's stamps: {stamps_line(data)}.\n\n"
             + table + "\n\nThe goal (issue 80): EDGC at its defaults to the target in at most "
             "0.85× the fastest peer's time of its precision at 100 and 300 Mbit, at most 1.0× "
             "at 1 Gbit; met only where every paired ratio is at or below the bound, missed "

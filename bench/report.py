@@ -1,6 +1,7 @@
 """Write a benchmark's section of BENCHMARKS.md (replacing its previous run), with the
 machine and the date."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -67,10 +68,77 @@ def write_section(name: str, title: str, command: str, body: str,
         fh.write(text)
 
 
+#: The code a benchmark run can execute (issue 93): the package (its configs in it), the
+#: trainer, the benchmark's own code and the scripts; committed results are data, not code.
+STAMPED_CODE = ["megatron_edgc", "pretrain_gpt2_edgc.py", "configs", "bench",
+                ":(exclude)bench/results", "scripts"]
+
+
+def _git(*args, ok=(0,)) -> str | None:
+    """``git ARGS`` in the checkout: its stdout, or None where git fails (no checkout, an
+    unknown commit)."""
+    try:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True)
+    except OSError:
+        return None
+    return proc.stdout.decode("utf-8", "surrogateescape") if proc.returncode in ok else None
+
+
+def code_stamp() -> dict | None:
+    """The code a run launched now executes (issue 93): ``{"commit": HEAD's full hash,
+    "diff": sha256 (16 hex) of the uncommitted changes to :data:`STAMPED_CODE` (``git diff
+    HEAD`` and the untracked files' contents) or None when there are none, "dirty": the
+    changed paths}``; None outside a git checkout. Every record of a run that
+    :func:`run_pretrain` starts carries it as ``"code"``."""
+    import hashlib
+
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    diff = _git("diff", "HEAD", "--binary", "--", *STAMPED_CODE) or ""
+    dirty = set((_git("diff", "HEAD", "--name-only", "--", *STAMPED_CODE) or "").split())
+    untracked = sorted((_git("ls-files", "--others", "--exclude-standard", "--",
+                             *STAMPED_CODE) or "").split())
+    h = hashlib.sha256(diff.encode("utf-8", "surrogateescape"))
+    for path in untracked:
+        h.update(f"\0{path}\0".encode())
+        with contextlib.suppress(OSError), open(os.path.join(ROOT, path), "rb") as fh:
+            h.update(fh.read())
+    dirty.update(untracked)
+    return {"commit": commit.strip(), "diff": h.hexdigest()[:16] if dirty else None,
+            "dirty": sorted(dirty)}
+
+
+def stamp_text(stamp: dict | None) -> str:
+    """A stamp as a report names it: the commit's 12 hex, ``+diff HASH`` where the code
+    had uncommitted changes; "unstamped" for a run recorded before stamps (issue 93)."""
+    if not stamp:
+        return "unstamped"
+    return stamp["commit"][:12] + (f"+diff {stamp['diff']}" if stamp.get("diff") else "")
+
+
+def stamp_files(path: str, stamp: dict | None) -> None:
+    """Put ``stamp`` into every record of the metrics file ``path`` and into its summary
+    (``"code"``), the run's own keys kept."""
+    summary = os.path.splitext(path)[0] + ".summary.json"
+    with open(path) as fh:
+        lines = [json.loads(line) for line in fh if line.strip()]
+    with open(path, "w") as fh:
+        for record in lines:
+            fh.write(json.dumps(dict(record, code=stamp)) + "\n")
+    if os.path.exists(summary):
+        with open(summary) as fh:
+            data = json.load(fh)
+        data["code"] = stamp
+        with open(summary, "w") as fh:
+            json.dump(data, fh, indent=2)
+
+
 def run_pretrain(name: str, flags: list, out: str, iters: int, reuse: bool = False,
                  script: str = "pretrain_gpt2_edgc.py", launch=None):
-    """One training run of the benchmark: ``runs/.../NAME.jsonl`` → (records, summary);
-    ``reuse`` takes an earlier run's files when they exist. ``launch(cmd) -> exit code``
+    """One training run of the benchmark: ``runs/.../NAME.jsonl`` → (records, summary),
+    each record and the summary stamped with the code it ran (:func:`code_stamp`, taken at
+    the launch); ``reuse`` takes an earlier run's files when they exist (as they were). ``launch(cmd) -> exit code``
     starts the ranks some other way (bench/netns.py: one per network namespace)."""
     metrics = os.path.join(out, f"{name}.jsonl")
     summary = os.path.splitext(metrics)[0] + ".summary.json"
@@ -81,10 +149,12 @@ def run_pretrain(name: str, flags: list, out: str, iters: int, reuse: bool = Fal
                str(iters), "--log-interval", str(max(1, iters // 4)), "--metrics-file",
                metrics, *flags]
         print(f"=== {name}: {' '.join(flags) or 'dense'}", flush=True)
+        stamp = code_stamp()   # the code the run executes, taken as it starts
         if launch is None:
             subprocess.run(cmd, cwd=ROOT, check=True)
         elif launch(cmd) != 0:
             raise RuntimeError(f"benchmark run {name} failed")
+        stamp_files(metrics, stamp)
     with open(metrics) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     with open(summary) as fh:

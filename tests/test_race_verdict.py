@@ -400,3 +400,147 @@ def test_each_loss_run_records_the_machine_it_ran_on(tmp_path, monkeypatch):
                     "dense_fp32_seed3": "CPU B"}
     (tmp_path / "loss" / "bf16_wire_seed1.summary.json").write_text("{}")
     assert peers.loss_machines(str(tmp_path)) == "CPU A: 2; CPU B: 1; not recorded: 1"
+
+
+def _git_repo(tmp_path, monkeypatch):
+    """A checkout of its own for the stamp tests (bench.report's git runs in it)."""
+    import subprocess
+
+    import bench.peers as peers
+    import bench.report as report
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    monkeypatch.setattr(report, "ROOT", str(repo))
+    peers._committed_changes.cache_clear()
+
+    def commit(files: dict) -> str:
+        for path, text in files.items():
+            (repo / path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / path).write_text(text)
+        git("add", *files)
+        git("commit", "-q", "-m", "c")
+        return git("rev-parse", "HEAD")
+    return repo, commit
+
+
+def test_every_record_of_a_run_carries_its_code_stamp(tmp_path, monkeypatch):
+    """Issue 93: each record a benchmark run writes, and its summary, carries the commit it
+    ran and a hash of any uncommitted change to the code (untracked files in it too; the
+    committed results are data, not code)."""
+    import bench.report as report
+
+    repo, commit = _git_repo(tmp_path, monkeypatch)
+    head = commit({"megatron_edgc/a.py": "x = 1\n", "bench/results/r.json": "{}\n"})
+    clean = report.code_stamp()
+    assert clean == {"commit": head, "diff": None, "dirty": []}
+    (repo / "bench" / "results" / "r.json").write_text('{"new": 1}\n')   # data: no diff
+    assert report.code_stamp() == clean
+    (repo / "megatron_edgc" / "a.py").write_text("x = 2\n")
+    dirty = report.code_stamp()
+    assert dirty["commit"] == head and dirty["dirty"] == ["megatron_edgc/a.py"]
+    assert len(dirty["diff"]) == 16
+    (repo / "megatron_edgc" / "b.py").write_text("y = 1\n")              # untracked code
+    more = report.code_stamp()
+    assert more["diff"] != dirty["diff"] and more["dirty"] == ["megatron_edgc/a.py",
+                                                               "megatron_edgc/b.py"]
+    assert report.stamp_text(more) == f"{head[:12]}+diff {more['diff']}"
+    assert report.stamp_text(None) == "unstamped"
+
+    def launch(cmd):   # a run's own files, as the trainer and the peers write them
+        metrics = cmd[cmd.index("--metrics-file") + 1]
+        with open(metrics, "w") as fh:
+            for i in (1, 2, 3):
+                fh.write(json.dumps({"iteration": i, "loss": 5.0, "iter_ms": 10.0}) + "\n")
+        with open(metrics[:-len(".jsonl")] + ".summary.json", "w") as fh:
+            json.dump({"iterations": 3}, fh)
+        return 0
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    records, summary = report.run_pretrain("EDGC_rep0", [], str(out), 3, launch=launch)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert all(r["code"] == more for r in records) and summary["code"] == more
+    assert summary["iterations"] == 3 and records[0]["loss"] == 5.0
+
+
+def test_no_comparison_is_priced_across_code_a_mode_executes(tmp_path, monkeypatch):
+    """Issue 93: a time to target or a ratio reads runs that ran the same code in every
+    file they both execute (the package; the trainer or the peers' script): a change to
+    the trainer script leaves a torch peer's comparisons alone and refuses the trainer
+    modes'; a change in the package refuses every pair across it; an uncommitted diff
+    counts by the files it touches; unstamped runs are not checked, and named so."""
+    import bench.peers as peers
+    from bench.report import stamp_text
+
+    _, commit = _git_repo(tmp_path, monkeypatch)
+    c1 = commit({"megatron_edgc/x.py": "1\n", "pretrain_gpt2_edgc.py": "1\n",
+                 "bench/torch_ddp_peers.py": "1\n"})
+    c2 = commit({"pretrain_gpt2_edgc.py": "2\n"})
+    c3 = commit({"megatron_edgc/x.py": "3\n"})
+    s1, s2, s3 = ({"commit": c, "diff": None, "dirty": []} for c in (c1, c2, c3))
+    T, D = peers.TRAINER, peers.DDP
+    assert peers.code_conflict([(T, s1), (T, s1), (D, s1)]) is None
+    assert peers.code_conflict([(T, s1), (D, s2)]) is None          # not a file both run
+    assert peers.code_conflict([(T, s1), (T, s2)]) in (
+        f"pretrain_gpt2_edgc.py differ between {a[:12]} and {b[:12]}"
+        for a, b in ((c1, c2), (c2, c1)))
+    assert "megatron_edgc/x.py differ" in peers.code_conflict([(D, s2), (T, s3)])
+    assert peers.code_conflict([(T, None), (T, s1), (D, None)]) is None
+    dirty = lambda path, h: {"commit": c1, "diff": h, "dirty": [path]}  # noqa: E731
+    assert peers.code_conflict([(T, s1), (D, dirty("bench/torch_ddp_peers.py", "a"))]) is None
+    assert "megatron_edgc/x.py" in peers.code_conflict(
+        [(T, dirty("megatron_edgc/x.py", "a")), (D, dirty("megatron_edgc/x.py", "b"))])
+    assert peers.code_conflict([(T, dirty("megatron_edgc/x.py", "a"))] * 2) is None
+    assert "unknown here" in peers.code_conflict([(T, s1), (T, dict(s1, commit="f" * 40))])
+
+    # the report: EDGC timed on c3 against curves and a static r_max of c1
+    def curve(stamp):
+        return [{"iteration": i, "val_loss": 6.0 - i / 100, "code": stamp}
+                for i in range(10, 101, 10)]
+
+    def fig(stamp, ms=100.0):
+        return {"code": stamp, "iter_ms": ms, "warmup_ms": None, "rank_ms": {},
+                "sync_ms": 1.0, "mib": 1.0, "compress_ms": None, "dense_share": None}
+    data = {"loss": {"dense fp32": {1: curve(s1)}, "torch DDP fp32": {1: curve(s1)},
+                     "static r_max": {1: curve(s1)}, "EDGC": {1: curve(s1)}},
+            "loss_at": {}, "session": {},
+            "time": {"100mbit": {"dense fp32": [fig(s2)], "torch DDP fp32": [fig(s3, 90.0)],
+                                 "static r_max": [fig(s1)], "EDGC": [fig(s3)]}}}
+    table, verdicts = peers.report(data)
+    row = {line.split(" | ")[1]: line for line in table.splitlines()[2:]}
+    # EDGC's own curve (c1) and timing (c3) differ in the package: no time of its own
+    assert "not priced: megatron_edgc/x.py, pretrain_gpt2_edgc.py differ between " \
+        in row["EDGC"] and c1[:12] in row["EDGC"] and c3[:12] in row["EDGC"]
+    assert "EDGC" in data["refused"]["100mbit"] and "EDGC" not in verdicts["100mbit"][
+        "vs_static"]
+    # the torch peer's timing (c3) against the dense curve it borrows (c1): refused too
+    assert "not priced" in row["torch DDP fp32"]
+    # static (c1 only) against dense fp32 (curve c1, timing c2: the trainer script changed
+    # between its own runs): dense fp32 has no price, static keeps its own
+    assert "not priced: pretrain_gpt2_edgc.py differ" in row["dense fp32"]
+    assert "not priced" not in row["static r_max"].split(" | ")[10]
+    assert stamp_text(s1) in peers.stamps_line(data)
+
+
+def test_the_committed_unstamped_race_still_reads():
+    """Issue 93: the runs recorded before stamps (bench/results/peers-defaults/) read as
+    unstamped and are priced as before."""
+    import bench.peers as peers
+
+    out = os.path.join(peers.ROOT, "bench", "results", "peers-defaults")
+    data = peers.collect(out, 200, 96)
+    line = peers.stamps_line(data)
+    assert "EDGC: unstamped (18 runs)" in line and "+diff" not in line
+    table, verdicts = peers.report(data)
+    assert "not priced" not in table and not verdicts["100mbit"]["refused"]
+    with open(os.path.join(out, "results.json")) as fh:
+        committed = json.load(fh)["verdicts"]["100mbit"]
+    assert verdicts["100mbit"]["vs_static"] == committed["vs_static"]
