@@ -195,6 +195,74 @@ def test_the_bypass_follows_a_refitted_link_with_hysteresis(one_process_group):
     assert step(30)[0] == frozenset() and comp.link is before
 
 
+def test_prepare_and_decide_only_where_something_can_change(one_process_group):
+    """Issue 93: an iteration where nothing the bypass reads has changed prepares no
+    warm start and takes no decision; it reuses the decision in force, with the same
+    keys and the same predictions in its telemetry as deciding again gives (a twin that
+    prepares and decides every iteration, as before). Warm starts at the first compressed
+    iteration, a new rank setting and a resume; decisions there too, at each refit
+    (window 5), each exploring iteration (every 2 windows) and the one after it."""
+    from megatron_edgc.patches.ddp import DPGradientCompression
+    from test_host_sync import fake_ddp_chunk
+
+    def build():
+        comp = DPGradientCompression([fake_ddp_chunk(n_buckets=2)], one_process_group,
+                                     rank=4, compress_single_replica=True,
+                                     min_compression_rate=2.0, start_iter=2, seed=0,
+                                     bypass="auto", link_window=5, link_explore=2)
+        plans = list(comp.plans.values())
+        comp.planner.links = {one_process_group: _link_with_saving(plans[0], 1e-4, 0.02)}
+        # saving 20 ms: the first bucket (10 ms of math) compressed, the second (30) dense
+        comp.planner.cost_model = {plans[0].key: (0.01, 0.0), plans[1].key: (0.03, 0.0)}
+        calls = {"decide": [], "prepare": []}
+        decide = comp.planner.decide
+
+        def counted_decide(*args, **kwargs):
+            calls["decide"].append(comp.iteration)
+            return decide(*args, **kwargs)
+
+        comp.planner.decide = counted_decide
+        for plan in plans:
+            prepare = plan.compressor.prepare
+
+            def counted_prepare(*args, _prepare=prepare, **kwargs):
+                calls["prepare"].append(comp.iteration)
+                return _prepare(*args, **kwargs)
+
+            plan.compressor.prepare = counted_prepare
+        return comp, plans, calls
+
+    comp, plans, calls = build()
+    twin, _, twin_calls = build()
+    slow = _link_with_saving(plans[0], 1e-4, 0.05)   # from iteration 2: both pay
+    for it in range(25):
+        for c in (comp, twin):
+            if it in (22, 23):
+                c.set_rank(8)                            # a new setting, then the same
+            if it == 24:
+                c.load_state_dict(c.state_dict())        # a resume
+            if c is twin:                                # deciding every iteration
+                c._prepared, c._decision = False, None
+            c.set_iteration(it)
+            c.prepare_iteration()
+            if it in (2, 3, 4):
+                _observe(c, plans[0], slow, steps=1)
+        assert comp.dense_keys == twin.dense_keys, it
+        for field in ("predicted_dense_s", "predicted_compressed_s", "predicted_saving_s",
+                      "predicted_cost_s", "predicted_local", "explored", "events",
+                      "link_gbps"):
+            a, b = getattr(comp.stats, field), getattr(twin.stats, field)
+            assert a == b or (a != a and b != b), (it, field)   # NaN before compressing
+    assert calls["decide"] == [2, 5, 10, 11, 15, 20, 21, 22, 24]
+    assert calls["prepare"] == [2, 2, 22, 22, 24, 24]           # each of the two buckets
+    assert twin_calls["decide"] == list(range(2, 25))
+    assert len(twin_calls["prepare"]) == 2 * 23
+    # the decisions moved where they could: the refit at 5 compressed the second bucket
+    # too, the explorations sent both dense
+    assert comp.planner.in_force == frozenset()
+    assert comp.stats.explored is False
+
+
 def test_compressed_transfers_running_faster_make_the_bypass_probe(one_process_group,
                                                                     monkeypatch):
     """Compressed, the bucket's small transfers cannot say how fast a dense one would go;

@@ -19,6 +19,7 @@ larger of saving and cost, so an estimate near the boundary does not flap."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -67,6 +68,30 @@ def measure_link(group, device) -> LinkModel:
     return LinkModel.fit([n * FLOAT_BYTES for n in sizes], worst.tolist())
 
 
+@dataclasses.dataclass(frozen=True)
+class BypassDecision:
+    """What :meth:`BypassPlanner.decide` chose for one rank setting, link and cost model:
+    the keys sent dense and its predictions, the same for every iteration until one of
+    them changes (so the caller keeps it and writes it into each step's telemetry)."""
+
+    sent: frozenset                 # keys sent dense (the other way when exploring)
+    explored: bool
+    predicted_dense_s: float        # every bucket dense
+    predicted_compressed_s: float   # every bucket compressed
+    predicted_saving_s: float       # of the buckets sent compressed
+    predicted_cost_s: float
+    predicted_local: dict           # key -> (dense, seconds of local work)
+
+    def into(self, stats) -> None:
+        """Add the decision's predictions to a step's :class:`DPSyncStats` (reset)."""
+        stats.predicted_dense_s += self.predicted_dense_s
+        stats.predicted_compressed_s += self.predicted_compressed_s
+        stats.predicted_saving_s += self.predicted_saving_s
+        stats.predicted_cost_s += self.predicted_cost_s
+        stats.predicted_local.update(self.predicted_local)
+        stats.explored = self.explored
+
+
 class BypassPlanner:
     """The bypass's decisions for a set of bucket plans (``plans``: key -> BucketPlan);
     ``window``: iterations between refits of the measured links (0: never); ``explore``:
@@ -77,6 +102,9 @@ class BypassPlanner:
                  window: int = 0, hysteresis: float = 0.25, explore: int = 0):
         self.plans = plans
         self.device = device
+        #: bumped whenever what a decision depends on may have changed (a link, the
+        #: cost model, the local work, a resume): a caller's kept decision is stale
+        self.epoch = 0
         self.declared = link
         self.link = link          # the dense buckets' link (declared: every group's)
         self.links: dict = {}     # process group -> LinkModel
@@ -96,6 +124,27 @@ class BypassPlanner:
         #: bucket key -> ("math" | "dense", [samples]) since the refit: a compressed
         #: step's measured / predicted math, a dense step's local seconds
         self._local_samples: dict = {}
+
+    @property
+    def links(self) -> dict:
+        """process group -> LinkModel (assigning it makes kept decisions stale)."""
+        return self._links
+
+    @links.setter
+    def links(self, value: dict) -> None:
+        self._links = value
+        self.epoch += 1
+
+    @property
+    def cost_model(self) -> Optional[dict]:
+        """bucket key -> (a, b) seconds of its math (assigning it makes kept decisions
+        stale)."""
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, value: Optional[dict]) -> None:
+        self._cost_model = value
+        self.epoch += 1
 
     def process_groups(self) -> list:
         """``(process group, expert)`` of each distinct reduction group, in bucket order
@@ -162,6 +211,7 @@ class BypassPlanner:
         ``probe_ratio`` times faster than in the window before (same buckets compressed),
         the link is probed as at start-up, and the decision taken from the probe. A group
         with no dense transfer and no such speed-up keeps its link."""
+        self.epoch += 1   # the local work is refitted whatever the links do
         changes = []
         for i, (pg, _) in enumerate(self.process_groups()):
             samples = self._samples.pop(i, [])
@@ -232,6 +282,7 @@ class BypassPlanner:
         collectives on first use, so call outside the schedule, on every rank alike."""
         for i, (pg, expert) in enumerate(self.process_groups()):
             if pg not in self.links:
+                self.epoch += 1
                 self.links[pg] = self.declared or measure_link(pg, self.device)
                 if self.declared is None:
                     logger.info("bypass: %s all-reduce %.3g Gbit/s, alpha %.3g ms",
@@ -272,6 +323,7 @@ class BypassPlanner:
         """A link declared now (``--edgc-link-gbps`` at the resume) wins over the
         checkpoint's; a link the checkpoint declared is measured afresh where none is
         declared now. Checkpoints from before the decisions were saved load their models."""
+        self.epoch += 1
         groups = self.process_groups()
         measured = self.declared is None and not state.get("declared", False)
         if measured and len(state.get("links", [])) == len(groups):
@@ -334,20 +386,24 @@ class BypassPlanner:
         per_rank = max(0.0, (at[r_hi] - at[r_lo]) / (r_hi - r_lo)) if r_hi > r_lo else 0.0
         return max(0.0, at[r_hi] - per_rank * r_hi), per_rank
 
-    def decide(self, rank: int, rank_setting: tuple, stats, explore: bool = False) -> frozenset:
+    def decide(self, rank: int, rank_setting: tuple, explore: bool = False) -> BypassDecision:
         """The keys to send dense at ``rank`` (collectives on first use of a group, a rank
         setting or the cost model: call outside the schedule): where the compressed sync
         (collectives and math) is predicted slower than the dense one (:attr:`in_force`);
         ``explore``: this iteration sends the others dense and these compressed instead.
-        The predicted saving and cost of the keys sent compressed go into ``stats``."""
+        The decision holds the predicted saving and cost of the keys sent compressed. It
+        stays valid while :attr:`epoch`, the rank setting and ``explore`` do (deciding
+        again on the same inputs gives the same keys: the hysteresis keeps what is in
+        force)."""
         self.ensure_models(rank)
         dense, savings, costs, dense_s = set(), {}, {}, {}
+        total_dense = total_compressed = 0.0
         for key in self.plans:
             costs[key] = self.math_seconds(key, rank)
             dense_s[key] = self.dense_seconds(key)
             compressed_s = self.compressed_seconds(key, rank)
-            stats.predicted_dense_s += dense_s[key]
-            stats.predicted_compressed_s += compressed_s
+            total_dense += dense_s[key]
+            total_compressed += compressed_s
             savings[key] = dense_s[key] - (compressed_s - costs[key])
             # flip the decision in force only on a clear win (no flapping at the boundary)
             margin = 0.0 if self._dense is None else \
@@ -357,14 +413,16 @@ class BypassPlanner:
                 dense.add(key)
         self._dense = self._agree_inside_instances(dense, rank_setting)
         sent = frozenset(self.plans) - self._dense if explore else self._dense
-        stats.explored = explore
+        saving = cost = 0.0
+        local = {}
         for key in self.plans:
             if key not in sent:
-                stats.predicted_saving_s += savings[key]
-                stats.predicted_cost_s += costs[key]
-            stats.predicted_local[key] = (key in sent, self.dense_local.get(key, 0.0)
-                                          if key in sent else costs[key])
-        return sent
+                saving += savings[key]
+                cost += costs[key]
+            local[key] = (key in sent, self.dense_local.get(key, 0.0)
+                          if key in sent else costs[key])
+        return BypassDecision(sent, explore, total_dense, total_compressed, saving, cost,
+                              local)
 
     def _agree_inside_instances(self, dense: set, rank_setting: tuple) -> frozenset:
         """On the slow hop the ranks of an instance hold different shards, so their savings

@@ -160,6 +160,9 @@ class DPGradientCompression:
         self.fallback_keys: frozenset = frozenset()    # ... of those, by the fallback
         self.fallback = FallbackPolicy(self.plans, fallback_iters)  # factors that failed
         self._rank_setting: tuple = (rank, ())         # what the bypass decisions depend on
+        self._prepared = False     # every bucket's warm start allocated at the rank setting
+        #: ``((rank setting, explore, planner epoch), BypassDecision)`` in force, or None
+        self._decision: Optional[tuple] = None
 
     # ------------------------------------------------------------------ views
 
@@ -198,37 +201,51 @@ class DPGradientCompression:
     def prepare_iteration(self) -> None:
         """Before the schedule: the warm starts of a new rank (seeded here, never inside
         backward) and the bypass decisions for this iteration's rank (the first call per
-        rank runs collectives on each bucket's group)."""
+        rank runs collectives on each bucket's group).
+
+        Both only where something can change: the warm starts at the first compressed
+        iteration, a new rank setting and a resume; the decisions there too, and where the
+        planner's inputs moved (a refit at a window end, an exploring iteration and the
+        one after it). Every other iteration reuses the decision in force and writes its
+        predictions into the step's telemetry, as deciding again would have."""
         if not self.active:
             self.dense_keys = self.fallback_keys = frozenset()
             return
-        for plan in self.plans.values():
-            plan.compressor.prepare()
+        if not self._prepared:
+            for plan in self.plans.values():
+                plan.compressor.prepare()
+            self._prepared = True
         self.fallback_keys = self.fallback.dense_at(self.iteration, self.stats.events)
         if self.bypass != "auto":
             self.dense_keys = self.fallback_keys
             return
         first = not self.planner.links
         refitted = self.planner.refresh() if self.planner.refresh_due(self.iteration) else []
-        in_force = self.planner.in_force
-        sent = self.planner.decide(self.rank, self._rank_setting, self.stats,
-                                   explore=self.planner.explores(self.iteration))
-        dense = self.planner.in_force
-        if self._can_time_links():
-            self._timed_links = self.planner.timed_links()
+        explore = self.planner.explores(self.iteration)
+        inputs = (self._rank_setting, explore, self.planner.epoch)
+        if self._decision is None or self._decision[0] != inputs:
+            in_force = self.planner.in_force
+            decision = self.planner.decide(self.rank, self._rank_setting, explore=explore)
+            dense = self.planner.in_force
+            # deciding may measure a link or the cost model: the inputs as they stand now
+            self._decision = ((self._rank_setting, explore, self.planner.epoch), decision)
+            if self._can_time_links():
+                self._timed_links = self.planner.timed_links()
+            for _, old, new, how in refitted:
+                self.stats.events.append(
+                    f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "
+                    f"(all-reduce payload, {how})")
+            if first or dense != in_force:
+                how = "declared" if self.planner.declared else \
+                    "measured at start-up" if first else "refitted"
+                self.stats.events.append(
+                    f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
+                    f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
+        decision = self._decision[1]
+        decision.into(self.stats)
         self.stats.link_gbps = self.link.gbit_per_s
         self.stats.link_alpha_ms = self.link.alpha_s * 1e3
-        for _, old, new, how in refitted:
-            self.stats.events.append(
-                f"bypass: link {old.gbit_per_s:.3g} -> {new.gbit_per_s:.3g} Gbit/s "
-                f"(all-reduce payload, {how})")
-        if first or dense != in_force:
-            how = "declared" if self.planner.declared else \
-                "measured at start-up" if first else "refitted"
-            self.stats.events.append(
-                f"bypass at rank {self.rank}: {len(dense)} of {len(self.plans)} buckets "
-                f"sent dense (link {self.link.gbit_per_s:.3g} Gbit/s, {how})")
-        self.dense_keys = sent | self.fallback_keys
+        self.dense_keys = decision.sent | self.fallback_keys
         for key in self.fallback_keys:   # dense by the fallback: its local work is dense
             self.stats.predicted_local[key] = (True, self.planner.dense_local.get(key, 0.0))
 
@@ -269,7 +286,10 @@ class DPGradientCompression:
         else:
             shape_ranks = None
         self.rank = rank
-        self._rank_setting = (rank, tuple(sorted((shape_ranks or {}).items())))
+        setting = (rank, tuple(sorted((shape_ranks or {}).items())))
+        if setting != self._rank_setting:
+            self._prepared = False   # new groups' warm starts: allocated before the next step
+        self._rank_setting = setting
         if rank is not None:
             for plan in self.plans.values():
                 plan.compressor.set_rank(rank, shape_ranks)
@@ -346,6 +366,7 @@ class DPGradientCompression:
                 "cost_model": self.planner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self._prepared, self._decision = False, None   # a resume: prepare and decide again
         if state["rank"] != self.rank:
             self.set_rank(state["rank"])
         self.fallback.load_state_dict(state)
