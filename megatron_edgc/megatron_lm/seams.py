@@ -281,12 +281,12 @@ def _train_step(original):
         if should_exit:
             return out
         optimizer, scheduler = call["optimizer"], call["opt_param_scheduler"]
-        record = records.end(
+        # the runtime's end_step (the controller decides) runs inside, before the end stamp
+        records.end(
             iteration + 1, loss=_device_value(loss_dict.get("lm loss", float("nan"))),
             lr=float(scheduler.get_lr(optimizer.param_groups[0])),
             grad_norm=_device_value(grad_norm), skipped=bool(skipped),
             tokens=get_current_global_batch_size() * args.seq_length)
-        runtime.end_step(iteration, record)
         logs = (iteration + 1) % args.log_interval == 0
         if logs or iteration + 1 == args.train_iters:   # the only host waits for the device
             done = records.flush()

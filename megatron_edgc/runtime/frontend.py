@@ -103,7 +103,8 @@ class IterationRecords:
     ``loss``, ``lr``, ``iter_ms``, ``tokens``, ``tokens_per_s``, ``grad_norm``, ``skipped``,
     the runtime's telemetry and the front-end's ``val_loss`` (``val_ppl`` follows).
     :meth:`begin` and :meth:`end` stamp an iteration on the device clock (``iter_ms``: its
-    first work to its optimizer step); values stay device tensors until :meth:`flush`
+    first work to the runtime's ``end_step`` after its optimizer step, so the controller's
+    work is priced in the iteration it follows); values stay device tensors until :meth:`flush`
     reads every pending record at once (one wait, the runtime's collective) and writes
     them to ``writers``.
     """
@@ -122,12 +123,18 @@ class IterationRecords:
     def end(self, iteration: int, *, loss, lr: float, grad_norm, skipped: bool,
             tokens: int) -> dict:
         """After the optimizer step: the record of iteration ``iteration`` (1-based), its
-        loss and grad norm as floats or 0-dim tensors (read at :meth:`flush`)."""
+        loss and grad norm as floats or 0-dim tensors (read at :meth:`flush`). The
+        runtime's :meth:`~megatron_edgc.runtime.step.EdgcRuntime.end_step` (the outcome
+        settled, the controller's decision) runs here, before the iteration's end stamp:
+        what EDGC does after the step is part of the iteration's time, as the static
+        mode's is."""
         record = {"iteration": iteration, "loss": loss, "lr": lr, "iter_ms": None,
                   "tokens": tokens, "tokens_per_s": None,
                   "grad_norm": float("nan") if grad_norm is None else grad_norm,
                   "skipped": skipped, "skipped_so_far": self.skipped + bool(skipped)}
         self.skipped += bool(skipped)
+        if self.runtime is not None:
+            self.runtime.end_step(iteration - 1, record)
         self._pending.append((record, self._start, self.clock.stamp()))
         return record
 

@@ -10,6 +10,10 @@ optimizer exist, and call it around every step::
     record = runtime.end_step(it, record)       # the outcome settled; controller decides
     runtime.flush()                             # at --log-interval: records filled (job-wide)
 
+Both front-ends call ``end_step`` through
+:meth:`~megatron_edgc.runtime.frontend.IterationRecords.end`, before the iteration's end
+stamp: the controller's work is inside the timed iteration.
+
 It owns the DP compression, the PP communicator, the stage timer and the EDGC driver, and
 registers their state for checkpoints. No step waits for the device: the device-side
 records stay unread until :meth:`EdgcRuntime.flush` (one wait, one all-reduce), but on

@@ -194,11 +194,11 @@ class Trainer:
         if update_ok:
             self.bundle.scheduler.step(increment=1)
         t = self.cfg.training
-        record = self.records.end(
+        # the runtime's end_step (the controller decides) runs inside, before the end stamp
+        return self.records.end(
             self.iteration + 1, loss=self._dp_mean_loss(losses),
             lr=self.bundle.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
             skipped=not update_ok, tokens=t.global_batch_size * self.cfg.model.seq_length)
-        return self.runtime.end_step(self.iteration, record)  # the controller decides here
 
     def _report_device_memory(self) -> None:
         """Once, after the first step: what the process holds outside the allocator."""
