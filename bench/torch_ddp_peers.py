@@ -45,6 +45,12 @@ megatron-core keeps; ``torch.autocast`` instead fails in megatron-core's linear 
 CPU (their backward is a custom autograd function: "expected m1 and m2 to have the same
 dtype").
 
+Times each iteration as the trainer does, with its clock (``IterationRecords``: ``iter_ms``
+from the first work to after the optimizer and LR steps) over the same work: the loss's
+all-reduce over DP inside (what an iteration that logs its loss pays; megatron-core's and
+Megatron-LM's loops reduce it every iteration), the telemetry's reduction (the bytes sent)
+outside, as the trainer reduces its telemetry at the log interval (issue 93).
+
 Writes the same metrics JSONL and summary as ``pretrain_gpt2_edgc.py`` (iteration, loss,
 iter_ms, ``grad_sync_ms`` = last gradient bucket handed to the hook → DDP's backward
 returns with reduced gradients, ``dp_bytes_sent_job`` = the payload the hooks put into
@@ -277,6 +283,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from megatron_edgc.model_shapes import padded_vocab_size
+    from megatron_edgc.runtime.frontend import IterationRecords
     from megatron_edgc.runtime.telemetry import MetricsWriter
     from megatron_edgc.training.data import MicroBatchStream, build_gpt_datasets
     from megatron_edgc.training.loop import init_worker, shutdown_worker, summarize
@@ -435,6 +442,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
         evaluates = eval_schedule(t.train_iters, cfg.eval.eval_interval, *round_of(opts))
         is_logger = rank == 0
         writer = MetricsWriter(cfg.logging.metrics_file, None, is_logger)
+        records = IterationRecords([writer], use_cuda=on_gpu)
         history, val_loss, start = [], None, time.perf_counter()
         tokens = gbs * m.seq_length
         bytes_sent = 0
@@ -444,7 +452,7 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
                 hook.reset()
             if on_gpu:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            records.begin()   # the trainer's clock and span (module docstring)
             optimizer.zero_grad(set_to_none=True)
             losses = []
             for j, batch in enumerate(train.micro_batches(it)):
@@ -484,27 +492,30 @@ def worker(cfg, opts, rank: int, world_size: int, local_rank: int) -> int:
             else:
                 bytes_sent = hook.bytes_sent
             scheduler.step(increment=1)
+            # The loss's all-reduce over DP, inside the timed iteration as in the trainer's
+            # (``Trainer._dp_mean_loss`` before ``records.end``): an iteration a user logs
+            # pays it (issue 93). Left unread here, read after the clock stopped.
+            loss = torch.stack(losses).float().mean()
+            dist.all_reduce(loss, group=dp_group)
             if on_gpu:
                 torch.cuda.synchronize()
-            iter_ms = (time.perf_counter() - t0) * 1e3
+            record = records.end(it + 1, loss=loss.double() / dp_size,
+                                 lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+                                 skipped=False, tokens=tokens)
+            # telemetry, outside the timed iteration as the trainer's (reduced at its flush)
             sent = torch.tensor([bytes_sent], dtype=torch.float64, device=device)
             dist.all_reduce(sent)
-            record = {"iteration": it + 1,
-                      "loss": dp_mean(torch.stack(losses).float().mean().item()),
-                      "lr": optimizer.param_groups[0]["lr"], "iter_ms": iter_ms,
-                      "tokens": tokens, "tokens_per_s": tokens / (iter_ms / 1e3),
-                      "grad_norm": float(grad_norm),
-                      "grad_sync_ms": [(ready - hook.last_ready) * 1e3
-                                       if hook is not None and hook.last_ready is not None
-                                       else float("nan")],
-                      "dp_bytes_sent_job": int(sent.item()),
-                      "rank_dp": [opts.hook_rank] if kind in POWERSGD and
-                      it >= opts.hook_start_iter else None}
+            record.update({"grad_sync_ms": [(ready - hook.last_ready) * 1e3
+                                            if hook is not None and hook.last_ready is not None
+                                            else float("nan")],
+                           "dp_bytes_sent_job": int(sent.item()),
+                           "rank_dp": [opts.hook_rank] if kind in POWERSGD and
+                           it >= opts.hook_start_iter else None})
             if evaluates(it + 1):
                 val_loss = evaluate()
-                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50))
-            history.append(record)
-            writer.write(record)
+                record["val_loss"] = val_loss
+            history += records.flush()   # iter_ms, tokens_per_s, val_ppl; written
+            iter_ms = record["iter_ms"]
             if is_logger and ((it + 1) % cfg.logging.log_interval == 0
                               or it + 1 == t.train_iters):
                 print(f"iteration {it + 1:6d}/{t.train_iters} | loss {record['loss']:.4f} | "

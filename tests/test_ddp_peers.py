@@ -3,6 +3,7 @@
 bf16 factors, as EDGC's). Same counters, half the bytes: a bf16 all-reduce in the warm-up,
 bf16 factors after it; the wrapped hook trains like the fp32 one."""
 
+import json
 import os
 import sys
 
@@ -49,3 +50,46 @@ def test_the_hook_trains_a_bf16_model(small_model_argv, tmp_path):
     assert [r["dp_bytes_sent_job"] for r in bf16] == [r["dp_bytes_sent_job"] for r in fp32]
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.1
     assert abs(bf16[-1]["val_loss"] - fp32[-1]["val_loss"]) < 0.02 * fp32[-1]["val_loss"]
+
+
+def in_span(log_dir, rank=0):
+    """Per timed iteration of rank ``rank``'s log (tests/timed_span_probe.py): the scalar
+    all-reduces over a group of more than one rank inside it, as (numel, dtype)."""
+    spans, current = [], None
+    with open(os.path.join(log_dir, f"rank{rank}.jsonl")) as fh:
+        for event in map(json.loads, fh):
+            if event["event"] == "begin":
+                current = []
+            elif event["event"] == "end":
+                spans.append(current)
+                current = None
+            elif current is not None and event["numel"] == 1 and event["group_size"] > 1:
+                current.append((event["numel"], event["dtype"]))
+    return spans
+
+
+def test_a_peer_times_the_same_collectives_as_the_trainer(small_model_argv, tmp_path):
+    """Issue 93: a torch peer's timed iteration and the trainer's hold the same scalar
+    collectives: the loss's all-reduce over DP inside both (what an iteration that logs its
+    loss pays), the telemetry's outside both; the two spans stamped by the same clock."""
+    argv = [*small_model_argv, "--data-parallel-size", "2", "--tensor-model-parallel-size",
+            "1", "--pipeline-model-parallel-size", "1", "--global-batch-size", "4",
+            "--train-iters", "3", "--eval-interval", "3", "--edgc-mode", "off"]
+    spans = {}
+    for name, script, extra in (("trainer", "pretrain_gpt2_edgc.py", []),
+                                ("peer", os.path.join("bench", "torch_ddp_peers.py"),
+                                 ["--hook", "allreduce"])):
+        logs = tmp_path / name
+        logs.mkdir()
+        proc = warm.run([sys.executable, os.path.join(ROOT, "tests", "timed_span_probe.py"),
+                         str(logs), os.path.join(ROOT, script), *extra, *argv,
+                         "--metrics-file", str(tmp_path / f"{name}.jsonl")],
+                        cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        spans[name] = [in_span(logs, r) for r in (0, 1)]
+        assert all(len(s) == 3 for s in spans[name]), (name, spans[name])
+    assert spans["trainer"][0][-1] == [(1, "torch.float32")]   # the loss's, nothing else
+    assert spans["peer"] == spans["trainer"]
+    peer = read_jsonl(str(tmp_path / "peer.jsonl"))
+    trainer = read_jsonl(str(tmp_path / "trainer.jsonl"))
+    assert [r["loss"] for r in peer] == [r["loss"] for r in trainer]   # reduced alike
