@@ -68,7 +68,12 @@ time is its loss run's iterations priced at its measured ms/iter per link, inter
 between evaluations (scripts/plot_run.py). Ratios are against the fastest peer of the same
 precision (peers: every mode that is not this product's), and EDGC against static r_max of
 its precision, paired per seed and repetition; a ratio range that spans 1 is not
-resolved (the race's one rule: ``ratio_verdict``). Writes ``bench/results/peers/`` and the ``peers`` section of BENCHMARKS.md,
+resolved (the race's one rule: ``ratio_verdict``). Every record carries its code stamp
+(issue 93: the commit and a hash of any uncommitted diff, ``bench/report.py``
+``code_stamp``); no time or ratio is priced across runs that differ in a file both execute
+(``code_conflict``, :data:`EXECUTES`), and the section names each mode's stamps (runs
+recorded before stamps: "unstamped"). Writes ``bench/results/peers/`` and the ``peers``
+section of BENCHMARKS.md,
 from all recorded runs.
 """
 
