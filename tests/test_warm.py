@@ -272,13 +272,17 @@ dist.init_process_group("gloo")
 from megatron_edgc.runtime import lost_ranks
 watching = lost_ranks.watch()
 handler = signal.getsignal(signal.SIGTERM)
-print(json.dumps({"rank": os.environ["RANK"], "watching": watching,
-                  "threads": sorted(t.name for t in threading.enumerate()
-                                    if t.name.startswith("edgc")),
-                  "sigterm": getattr(handler, "__name__", str(handler)),
-                  "omp": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
-                  "error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE")),
-                  "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}), flush=True)
+# one write(2) a line: two ranks share the job's stdout, and print() under an unbuffered
+# stdout (PYTHONUNBUFFERED, as CI may set) writes the text and its newline apart
+os.write(1, (json.dumps({"rank": os.environ["RANK"], "watching": watching,
+                         "threads": sorted(t.name for t in threading.enumerate()
+                                           if t.name.startswith("edgc")),
+                         "sigterm": getattr(handler, "__name__", str(handler)),
+                         "omp": os.environ.get("OMP_NUM_THREADS"),
+                         "torch_threads": torch.get_num_threads(),
+                         "error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE")),
+                         "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")})
+             + "\\n").encode())
 print(random.random(), file=sys.stderr)
 dist.barrier()
 if os.environ.get("EDGC_WARM_FAIL") == os.environ["RANK"]:
