@@ -1,9 +1,21 @@
 #!/usr/bin/env python
 """EDGC against what a user would run instead, by time to a target validation loss.
 
-    .venv/bin/python bench/peers.py             # ~110 min on 2 cores (root: netns); finished runs reused
+    .venv/bin/python bench/peers.py             # ~8 h on 2 cores (root: netns); finished runs reused
     .venv/bin/python bench/peers.py --report-only
     .venv/bin/python bench/peers.py --phase tune-diloco --loss-iters 2000   # first: DiLoCo's grid
+    .venv/bin/python bench/peers.py --phase match-static [--match-from DIR]  # the control's rank
+
+How long (issue 93's race; each run's ``wall_s`` in bench/results/peers-defaults, process
+start-up not counted): a timing run takes 74 s at 100 Mbit, 43 s at 300 Mbit, 34 s at
+1 Gbit (the mean over that race's modes); a 2000-iteration loss run 687 s (403-1160), a
+200-iteration one about a tenth. The default race: 25 modes per link × 3 links × 5
+repetitions = 375 timing runs ≈ 5.3 h, and 29 loss runs per seed × 5 seeds = 145 of 200
+iterations ≈ 2.8 h: ≈ 8 h (a tuned DiLoCo adds 2 modes). The 2000-iteration race of
+bench/results/peers-defaults (its 12 modes, 3 seeds: 108 timing runs ≈ 1.5 h and 60 loss
+runs ≈ 11.4 h) with the pinned EDGCs, the matched-bytes static and ours dense bf16 wire
+(21 modes per link) and 5 repetitions: 315 timing runs ≈ 4.2 h and 78 loss runs ≈ 14.7 h:
+≈ 19 h.
 
 Same model (``configs/tiny-cpu.yaml`` at TP1·PP1·DP4, so PyTorch DDP runs the same layout),
 same data and seeds. Two precisions, and ratios only within one:
@@ -28,10 +40,23 @@ same data and seeds. Two precisions, and ratios only within one:
   ``timed_as``, a dense warm-up's iterations priced as dense fp32's: ``mark_dense_warmup``),
   ``static r_max`` (this
   product's PowerSGD at a fixed rank), ``EDGC`` (the paper controller with its default
-  flags: dense warm-up bounded at 10 % of the run, the residual's dtype ``auto``);
+  flags: dense warm-up bounded at the first window end from 2 % of the run, the residual's
+  dtype ``auto``);
 * **trained in bf16** (``--bf16 --grad-reduce-in-bf16``, Megatron-LM's bf16 mixed precision
   with bf16 gradient buffers): ``dense bf16`` (megatron-core's bf16 all-reduce, the peer),
   ``static r_max bf16``, ``EDGC bf16 grads``.
+
+In each precision, two kinds of this product's modes beside them (issue 93):
+``EDGC pinned r8`` / ``r16`` / ``r24`` (``EDGC bf16 grads pinned r…``: EDGC's flags with
+``--edgc-rank-max r --edgc-rank-min r``, the warm-up's end setting r and the controller's
+clamp holding it; timed only: they price the ranks EDGC's loss runs hold,
+:func:`rank_prices`), and ``static matched@RATE`` / ``static matched bf16@RATE`` (static
+r_max's flags at the rank whose DP bytes per compressed iteration match EDGC's on that
+link: :func:`matched_rank`; the control an adaptive rank must beat; ``--phase
+match-static`` chooses it from EDGC's loss runs, in ``--out`` or another race's
+``--match-from``, into ``static_matched.json``; ``--phase all`` chooses it after the loss
+runs where none is chosen yet, then times and trains it after the other modes, not among
+their repetitions: choose it first from an earlier race to time it interleaved).
 
 ``hook r_max bf16 model`` (``powerSGD_hook`` with bf16 factors on a bf16 model: torch
 DDP's parameters in bf16, stepped by its AdamW without fp32 main weights) is the
@@ -45,14 +70,15 @@ Two kinds of runs, composed, the timing first:
 1. **Timing** per link (100 Mbit, 300 Mbit, 1 Gbit; tbf-shaped veth, one namespace per
    rank, bench/netns.py): each mode's loss-run config stopped after ``--time-iters``
    iterations (96: whole outer rounds of every DiLoCo and local SGD, EDGC's dense warm-up
-   and two windows), 3 repetitions interleaved (every mode once per repetition), in one
+   and two windows), 5 repetitions interleaved (every mode once per repetition, the order
+   rotated between them: :func:`time_order`), in one
    timing session per precision on one version of the timed code (``timing_session``:
    runs of other code are moved aside, never reused; bf16 on a CPU with bf16
    instructions, which the fp32 session's need not be; the section names each session's
    code, start and CPU), its steady ms/iter (after its warm-up, over whole outer rounds), DP sync, bytes
-   and the bypass's decisions (:func:`dense_share`). EDGC's dense warm-up iterations of
-   the loss run are priced at the mode's own measured warm-up ms/iter (iterations 3 to
-   its end).
+   and the bypass's decisions (:func:`dense_share`), the ms/iter at each DP rank it held
+   (:func:`rank_costs`), of its dense warm-up (iterations 3 to its end) and of the
+   iterations its bypass sent dense (``dense_ms``).
 2. **Loss curves**: each mode, 5 seeds (``--seed 1234+i``), ``--loss-iters`` iterations
    (200), an evaluation every 5 % of the run (a DiLoCo or local SGD at the last round's
    end before each: bench/torch_ddp_peers.py ``eval_schedule``), on loopback; a mode
@@ -65,10 +91,28 @@ seeds: a loss every dense and peer run reaches well before its last evaluation (
 two races' target, the worst final loss of the dense modes, sat at the end of the curves,
 and a mode equal to dense missed it by a seed's noise; it stays in a column). Each mode's
 time is its loss run's iterations priced at its measured ms/iter per link, interpolated
-between evaluations (scripts/plot_run.py). Ratios are against the fastest peer of the same
-precision (peers: every mode that is not this product's), and EDGC against static r_max of
-its precision, paired per seed and repetition; a ratio range that spans 1 is not
-resolved (the race's one rule: ``ratio_verdict``). Every record carries its code stamp
+between evaluations (scripts/plot_run.py), each iteration at what it ran (:func:`priced`,
+:func:`price_run`, issue 93): the dense warm-up at the mode's own measured warm-up; a
+compressed iteration at its rank's cost, r8, r16 and r24 from the pinned EDGC's timing run
+of the same repetition and r_max from EDGC's own, linear between them
+(:func:`ms_at_rank`); an iteration the bypass sent dense (its decision, or an exploring
+one sending the other way: the timing runs end before the first exploration, every 200
+iterations at the config's link window 50 and ``--edgc-link-explore`` 4) at the
+ms/iter of the timing run's own bypassed iterations, else of this product's dense sync of
+its precision on the link (:data:`DENSE_OF`; EDGC and static priced alike), else its
+steady ms/iter; a rank no timing run compressed at (1 Gbit, where the bypass sends
+the pinned runs dense) at the nearest timed rank's, else the steady ms/iter. Ratios are
+against the fastest peer of the same precision (peers: every mode that is not this
+product's), and EDGC against static r_max of its precision and against the matched-bytes
+static, paired per seed and repetition; a ratio range that spans 1 is not
+resolved (the race's one rule: ``ratio_verdict``). Beside the main table the section
+gives EDGC over static per iteration (the timing runs' steady ms/iter paired per
+repetition, the priced time per iteration paired per seed × repetition:
+:func:`per_iteration_table`), EDGC's share of its priced time and iterations at each rank
+(:func:`share_table`), EDGC against the matched-bytes static with the final loss paired
+per seed (:func:`matched_table`), validation loss against priced time per link and
+precision (``race.png`` in ``--out``: :func:`race_figure`), and what the recorded runs lack
+(:func:`missing`: a race recorded before a mode existed still reports). Every record carries its code stamp
 (issue 93: the commit and a hash of any uncommitted diff, ``bench/report.py``
 ``code_stamp``); no time or ratio is priced across runs that differ in a file both execute
 (``code_conflict``, :data:`EXECUTES`), and the section names each mode's stamps (runs
@@ -102,9 +146,15 @@ PURE_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size"
            "--data-parallel-size", "4"]
 RATES = ["100mbit", "300mbit", "1gbit"]
 SEEDS = [1234, 1235, 1236, 1237, 1238]
-REPEATS = 3   # issue 72: at least 3, interleaved (every mode once per repetition)
+#: issue 93: enough repetitions to resolve a 3 % difference, interleaved (every mode once per
+#: repetition, in an order that rotates between them: :func:`time_order`)
+REPEATS = 5
 EVAL_EVERY = 20
 OURS = ("ours dense bf16 wire", "static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
+#: Issue 93: EDGC's loss runs hold ranks below r_max on many iterations; the timing prices
+#: each rank with EDGC pinned there (``--edgc-rank-max r --edgc-rank-min r``, its flags
+#: otherwise EDGC's), r_max by EDGC's own timing runs: :func:`pinned_name`.
+PINNED_RANKS = (8, 16, 24)
 #: The modes trained in bf16 (bf16 mixed precision, bf16 gradient buffers); the rest fp32.
 #: Ratios are taken within a precision.
 BF16_TRAINED = ("dense bf16", "static r_max bf16", "EDGC bf16 grads", "hook r_max bf16 model")
@@ -116,21 +166,58 @@ BF16_MODEL = ("hook r_max bf16 model",)
 BYPASSING = ("static r_max", "EDGC", "static r_max bf16", "EDGC bf16 grads")
 #: The static PowerSGD each precision's EDGC must be no slower than.
 STATIC_OF = {"fp32": "static r_max", "bf16": "static r_max bf16"}
+EDGC_OF = {"fp32": "EDGC", "bf16": "EDGC bf16 grads"}
+#: This product's dense sync on each precision's wire (bf16: the default dense wire), which
+#: prices a bypassed iteration where a mode's own timing measured none (:func:`priced`).
+DENSE_OF = {"fp32": "ours dense bf16 wire", "bf16": "dense bf16"}
+#: The matched-bytes static per precision and link (``--phase match-static`` writes
+#: ``static_matched.json``: :func:`match_static`; :func:`load_tuned` reads it):
+#: ``{prec: {rate: {"rank", ...}}}``.
+MATCHED: dict = {}
 #: The target: dense fp32's val loss at this fraction of the run (the highest over seeds).
 TARGET_FRACTION = 0.75
 TRAINER, DDP = "pretrain_gpt2_edgc.py", "bench/torch_ddp_peers.py"
 
 
+def pinned_name(edgc: str, rank: int) -> str:
+    """The timing-only mode of ``edgc`` (EDGC or EDGC bf16 grads) pinned at ``rank``."""
+    return f"{edgc} pinned r{rank}"
+
+
+def matched_name(prec: str) -> str:
+    """Static PowerSGD at the rank matching EDGC's DP bytes (issue 93), of ``prec``, before
+    its link (the mode is ``matched_name(prec) + "@" + rate``: :data:`MATCHED`)."""
+    return "static matched" + (" bf16" if prec == "bf16" else "")
+
+
+def twin(mode: str) -> str:
+    """The raced mode whose flags a derived mode shares but for its rank: a pinned EDGC's
+    EDGC, a matched-bytes static's static r_max of its precision; any other mode, itself."""
+    if " pinned r" in mode:
+        return mode.split(" pinned r")[0]
+    if mode.startswith("static matched"):
+        return "static r_max" + mode.split("@")[0][len("static matched"):]
+    return mode
+
+
 def precision(mode: str) -> str:
-    return "bf16" if mode in BF16_TRAINED else "fp32"
+    return "bf16" if twin(mode) in BF16_TRAINED else "fp32"
 
 
-def edgc_flags(controller: str) -> list:
+def ours(mode: str) -> bool:
+    """Whether ``mode`` is this product's (not a peer): the fastest peer is another's."""
+    return twin(mode) in OURS
+
+
+def edgc_flags(controller: str, pinned: int | None = None) -> list:
     """EDGC as it ships on the race's config: its windows, sampling and warm-up bound
     (``configs/tiny-cpu.yaml``), the bypass at the product's default (auto), in the loss
-    and the timing runs alike (issue 80)."""
+    and the timing runs alike (issue 80); ``pinned``: its rank held there (r_max = r_min:
+    the warm-up's end sets r_max, the controller's clamp keeps it), the timing-only modes
+    that price each rank (issue 93)."""
+    top, bottom = (R_MAX, R_MIN) if pinned is None else (pinned, pinned)
     return ["--edgc-mode", "edgc", "--edgc-controller", controller, "--edgc-bypass", "auto",
-            "--edgc-rank-max", str(R_MAX), "--edgc-rank-min", str(R_MIN)]
+            "--edgc-rank-max", str(top), "--edgc-rank-min", str(bottom)]
 
 
 #: The dense syncs in bf16 (the warm-up's, the bypass's, the uncompressed rest's): the
@@ -178,6 +265,17 @@ def modes() -> dict:
         # DDP, bf16 parameters stepped by torch's AdamW: no fp32 main weights)
         "hook r_max bf16 model": (DDP, ["--hook", "powersgd-bf16", "--hook-rank", str(R_MAX),
                                         "--bf16"]),
+        # timing only (issue 93): EDGC's flags with its rank pinned, which price the ranks
+        # its loss runs hold (:func:`rank_prices`)
+        **{pinned_name(edgc, r): (TRAINER, edgc_flags("paper", r)
+                                  + (BF16_GRADS if prec == "bf16" else []))
+           for prec, edgc in EDGC_OF.items() for r in PINNED_RANKS},
+        # static at the rank matching EDGC's DP bytes per compressed iteration on the link
+        # (issue 93; ``--phase match-static`` writes it: :func:`match_static`)
+        **{f"{matched_name(prec)}@{rate}": (TRAINER, static + ["--edgc-rank", str(m["rank"])]
+                                            + (BF16_GRADS if prec == "bf16" else []))
+           for prec, at in MATCHED.items() for rate, m in at.items()
+           if m.get("rank") is not None},
     }
     return {name: (script, flags + (FP32 if precision(name) == "fp32" else []))
             for name, (script, flags) in table.items()}
@@ -185,6 +283,24 @@ def modes() -> dict:
 
 #: Timing-only modes: their loss curve is this mode's (the same math).
 LOSS_OF = {"torch DDP fp32": "dense fp32", "ours dense bf16 wire": "bf16 wire"}
+
+
+def timing_only(mode: str) -> bool:
+    """A mode with no loss run of its own: a twin's curve (:data:`LOSS_OF`), or a pinned
+    EDGC, which prices its EDGC's ranks."""
+    return mode in LOSS_OF or " pinned r" in mode
+
+
+def bypassing(mode: str) -> bool:
+    """This product's modes whose bypass decides per link (:data:`BYPASSING`, and the
+    matched-bytes static): their loss runs are per link."""
+    return twin(mode) in BYPASSING
+
+
+def loss_stem(mode: str, rate: str | None) -> str:
+    """A loss run's name before ``_seed``: the mode's slug, ``@RATE`` for a per-link run (a
+    mode named for one link carries it already)."""
+    return slug(mode) + ("" if rate is None or "@" in mode else "@" + rate)
 
 
 
@@ -214,15 +330,15 @@ def run_losses(out: str, iters: int, only=None, seeds=SEEDS, rates=RATES) -> Non
     link, that link's measured model declared (:func:`declared_link`: time it first)."""
     for seed in seeds:
         for name, (script, flags) in modes().items():
-            if (only and name not in only) or name in LOSS_OF:
+            if (only and name not in only) or timing_only(name):
                 continue
-            for rate in rates if name in BYPASSING else [None]:
+            for rate in [r for r in rates if on_link(name, r)] if bypassing(name) else [None]:
                 link = [] if rate is None else declared_link(out, rate, name)
                 if link is None:
                     print(f"=== {name} @{rate}: no timing run measured the link yet "
                           f"(--phase time first)", flush=True)
                     continue
-                run = f"{slug(name)}{'' if rate is None else '@' + rate}_seed{seed}"
+                run = f"{loss_stem(name, rate)}_seed{seed}"
                 fresh = not os.path.exists(os.path.join(out, "loss", f"{run}.summary.json"))
                 run_pretrain(run, base_flags(iters, seed) + flags + link,
                              os.path.join(out, "loss"), iters, reuse=True, script=script)
@@ -421,6 +537,63 @@ def diloco_section(out: str) -> str:
             f"each evaluated on {' / '.join(r['val_on']) or '?'}.")
 
 
+def compressed_bytes(records) -> list:
+    """``(rank, DP bytes of the job)`` of a run's compressed iterations after its warm-up
+    (those the bypass sent dense, and the warm-up, left out)."""
+    warm = warmup_end(records)
+    return [(dp_rank(r), r["dp_bytes_sent_job"]) for r in records
+            if r["iteration"] > warm and dp_rank(r) is not None
+            and r.get("dp_bytes_sent_job") is not None]
+
+
+def matched_rank(runs: list) -> dict:
+    """The static rank whose DP bytes per compressed iteration match EDGC's (issue 93), from
+    EDGC's loss runs ``runs`` (records per seed) on one link: its mean bytes over every
+    compressed iteration of the seeds, and the product's byte accounting read off the
+    same records, a line bytes = a + b × rank fitted over the ranks they hold (a rank's
+    factors are (n + m) × r per matrix; a: what never compresses); the rank where the line
+    meets the mean, rounded to the nearest integer in 1..r_max (a static rank is any
+    rank some matrix compresses at, r_min's 8 and up here). The bypass decides for both:
+    iterations it sends dense, and EDGC's warm-up, are left out of the match."""
+    points = [p for records in runs for p in compressed_bytes(records)]
+    if not points:
+        return {"rank": None, "seeds": len(runs), "iterations": 0}
+    ranks = numpy.array([float(r) for r, _ in points])
+    sent = numpy.array([float(b) for _, b in points])
+    mean = float(sent.mean())
+    if len(set(ranks)) > 1:
+        b, a = (float(v) for v in numpy.polyfit(ranks, sent, 1))
+        rank = int(min(max(numpy.floor((mean - a) / b + 0.5), 1), R_MAX))
+    else:   # one rank held throughout: that rank
+        a, b, rank = None, None, int(ranks[0])
+    return {"rank": rank, "seeds": len(runs), "iterations": len(points),
+            "edgc_mib": mean / 2**20, "edgc_mean_rank": float(ranks.mean()),
+            "fit_mib": None if b is None else [a / 2**20, b / 2**20],
+            "matched_mib": None if b is None else (a + b * rank) / 2**20}
+
+
+def match_static(out: str, source: str | None = None) -> dict:
+    """``--phase match-static``: per precision and link, the matched-bytes static's rank
+    (:func:`matched_rank`) from EDGC's loss runs in ``source`` (default ``out``: run after
+    EDGC's loss runs; another race's to time the control interleaved from the start), into
+    ``out/static_matched.json``; the race then runs ``static matched@RATE`` (and its bf16
+    twin) as its other modes (:data:`MATCHED`)."""
+    data = collect(source or out, 0, 0)
+    result = {}
+    for prec, edgc in EDGC_OF.items():
+        for rate in RATES:
+            runs = data["loss_at"].get(rate, {}).get(edgc)
+            if runs:
+                result.setdefault(prec, {})[rate] = dict(
+                    matched_rank([runs[s] for s in sorted(runs)]),
+                    source=os.path.relpath(source or out, ROOT))
+    with open(os.path.join(out, "static_matched.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    MATCHED.clear()
+    MATCHED.update(result)
+    return result
+
+
 def diloco_warmup(flags: list) -> int:
     """The dense iterations a DiLoCo run's flags put before its first inner loop (0: none)."""
     return int(flags[flags.index("--diloco-warmup-iters") + 1]) \
@@ -535,6 +708,10 @@ def mode_runs(data: dict, rate: str, mode: str) -> list:
     runs = [(loss_script, records[0].get("code") if records else None)
             for records in curves(data, rate).get(mode, {}).values()]
     runs += [(script, fig.get("code")) for fig in data["time"].get(rate, {}).get(mode, [])]
+    if bypassing(mode):   # its ranks and bypassed iterations priced by these modes' timing
+        for other in [pinned_name(mode, r) for r in PINNED_RANKS] + [DENSE_OF[precision(mode)]]:
+            runs += [(table.get(other, (script,))[0], fig.get("code"))
+                     for fig in data["time"].get(rate, {}).get(other, [])]
     return runs
 
 
@@ -646,12 +823,25 @@ def check_time_iters(time_iters: int, loss_iters: int) -> None:
                          f"{loss_iters}-iteration run and two windows), got {time_iters}")
 
 
+def time_order(names: list, rep: int, repeats: int) -> list:
+    """The order the modes run in repetition ``rep`` of ``repeats`` (issue 93): every mode
+    once, the order rotated by ``rep`` × n / ``repeats`` places, so that over the
+    repetitions each mode runs early and late (each first in one where there are no more
+    modes than repetitions) and its neighbours stay its neighbours (a ratio of neighbours
+    pairs runs minutes apart)."""
+    names = list(names)
+    if not names:
+        return names
+    shift = rep * len(names) // max(repeats, 1) % len(names)
+    return names[shift:] + names[:shift]
+
+
 def run_timing(out: str, iters: int, time_iters: int, only=None, rates=RATES,
                repeats=REPEATS) -> None:
     """Every mode on each shaped link, its loss run's config (``iters``) stopped after
-    ``time_iters`` (``--exit-interval``), ``repeats`` times interleaved, in its precision's
-    timing session (:func:`timing_session`; a precision none of ``only`` trains in is not
-    touched)."""
+    ``time_iters`` (``--exit-interval``), ``repeats`` times interleaved in a rotating order
+    (:func:`time_order`), in its precision's timing session (:func:`timing_session`; a
+    precision none of ``only`` trains in is not touched)."""
     port = 29700
     for prec, folder in TIME_DIRS.items():
         chosen = {name: run for name, run in modes().items()
@@ -669,10 +859,10 @@ def _time_modes(out, folder, chosen, iters, time_iters, rates, repeats, port) ->
         except NetnsUnavailable as exc:
             raise SystemExit(f"the timing runs need tbf-shaped namespaces (root): {exc}")
         try:
+            here = [name for name in chosen if on_link(name, rate)]
             for rep in range(repeats):
-                for name, (script, flags) in chosen.items():
-                    if not on_link(name, rate):
-                        continue
+                for name in time_order(here, rep, repeats):
+                    script, flags = chosen[name]
                     port += 1
 
                     def launch(cmd, net=net, port=port):
@@ -754,16 +944,21 @@ def timing_figures(records, round_len: int = 1) -> dict:
     over whole outer rounds of ``round_len`` iterations (issue 80: a DiLoCo window that
     holds a sync per H steps, not one in 37 iterations); its own warm-up's ms/iter
     (iterations 3 to its end; None without one), which prices the loss run's warm-up
-    iterations; and the bypass's decisions (:func:`dense_share`)."""
+    iterations; the ms/iter of its iterations the bypass sent dense after its start
+    (``dense_ms``; None under 3), which prices the loss run's; and the bypass's decisions
+    (:func:`dense_share`)."""
     end = warmup_end(records)
     start = -(-max(3, end + 2) // round_len) * round_len
     stop = max(r["iteration"] for r in records) // round_len * round_len
     if stop <= start:   # a run of before issue 80, shorter than a round after its start
         start, stop = max(3, end + 2), float("inf")
     warm = [r["iter_ms"] for r in records if 3 <= r["iteration"] <= end]
+    bypassed = [r["iter_ms"] for r in records if r["iteration"] > start
+                and r.get("dp_bypassed_buckets") and dp_rank(r) is None]
     return {"code": records[0].get("code") if records else None,   # None: unstamped
             "iter_ms": steady(records, "iter_ms", start, stop),
             "warmup_ms": float(numpy.mean(warm)) if len(warm) >= 3 else None,
+            "dense_ms": float(numpy.mean(bypassed)) if len(bypassed) >= 3 else None,
             "rank_ms": rank_costs(records, start),
             "sync_ms": steady(records, "grad_sync_ms", start, stop),
             "mib": steady(records, "dp_bytes_sent_job", start, stop) / 2**20,
@@ -791,7 +986,10 @@ def collect(out: str, loss_iters: int, time_iters: int, time_dir: str | None = N
     for path in sorted(glob.glob(os.path.join(out, "loss", "*_seed*.summary.json"))):
         stem = os.path.basename(path)[:-len(".summary.json")]
         mode, seed = stem.rsplit("_seed", 1)
-        mode, _, rate = mode.partition("@")
+        if mode in names and "@" in mode:   # a mode named for its link (static matched@RATE)
+            rate = mode.partition("@")[2]
+        else:
+            mode, _, rate = mode.partition("@")
         if mode in names:
             curves = loss_at.setdefault(rate, {}) if rate else loss
             curves.setdefault(names[mode], {})[int(seed)] = \
@@ -840,13 +1038,66 @@ def final_val(records):
     return next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
-def priced(records, ms: float, warm_ms: float, rank_ms: dict | None = None) -> list:
+def priced(records, ms: float, warm_ms: float, rank_ms: dict | None = None,
+           dense_ms: float | None = None) -> list:
     """The loss run's records with each iteration priced at the link's measured ms/iter:
-    the dense warm-up at ``warm_ms``, a compressed iteration at its own rank's measured cost
-    (``rank_ms``, :func:`ms_at_rank`), else ``ms``."""
+    the dense warm-up at ``warm_ms``; after it, an iteration by what it sent: one the
+    bypass sent dense (its decision, or an exploring iteration sending the other way) at
+    ``dense_ms`` where given, a compressed one at its own rank's measured cost (``rank_ms``,
+    :func:`ms_at_rank`), else ``ms``."""
     warm = warmup_end(records)
-    return [dict(r, iter_ms=warm_ms if r["iteration"] <= warm else
-                 ms_at_rank(rank_ms, dp_rank(r), ms)) for r in records]
+
+    def cost(r):
+        if r["iteration"] <= warm:
+            return warm_ms
+        rank = dp_rank(r)
+        if rank is None and r.get("dp_bypassed_buckets") and dense_ms is not None:
+            return dense_ms
+        return ms_at_rank(rank_ms, rank, ms)
+    return [dict(r, iter_ms=cost(r)) for r in records]
+
+
+def rank_prices(timing: dict, mode: str, rep: int) -> dict:
+    """``{rank: ms/iter}`` that prices ``mode``'s compressed iterations in repetition
+    ``rep`` on a link (``timing``: that link's figures): its own timing run's ranks (EDGC's:
+    r_max, where its warm-up ends), and each pinned EDGC's rank from that one's run of the
+    same repetition (issue 93: :data:`PINNED_RANKS`), which takes precedence (it holds the
+    rank for the whole run)."""
+    prices = {int(k): v for k, v in (timing[mode][rep].get("rank_ms") or {}).items()}
+    for rank in PINNED_RANKS:
+        figs = timing.get(pinned_name(mode, rank)) or []
+        got = (figs[rep].get("rank_ms") or {}) if rep < len(figs) else {}
+        got = {int(k): v for k, v in got.items()}
+        if rank in got:
+            prices[rank] = got[rank]
+    return dict(sorted(prices.items()))
+
+
+def dense_price(timing: dict, mode: str, rep: int):
+    """The ms/iter of an iteration ``mode``'s bypass sent dense after its warm-up, on a link,
+    in repetition ``rep``: its own timing run's bypassed iterations where it measured
+    some; else this product's dense sync of its precision timed on the link
+    (:data:`DENSE_OF`, the same repetition); else None (its steady ms/iter, as before issue
+    93). Not the mode's own warm-up: static has none, and EDGC's and static's bypassed
+    iterations are priced alike."""
+    fig = timing[mode][rep]
+    if fig.get("dense_ms") is not None:
+        return fig["dense_ms"]
+    base = timing.get(DENSE_OF[precision(mode)])
+    return base[min(rep, len(base) - 1)]["iter_ms"] if base else None
+
+
+def price_run(data: dict, rate: str, mode: str, records: list, rep: int) -> list:
+    """Loss run ``records`` of ``mode`` priced at repetition ``rep`` of its timing on
+    ``rate`` (:func:`priced`): the warm-up at the mode's own measured warm-up (its dense
+    wire), else (runs recorded before it was kept) at dense fp32's; its ranks at
+    :func:`rank_prices`; a bypassing mode's dense-sent iterations at :func:`dense_price`."""
+    timing = data["time"][rate]
+    fig, dense = timing[mode][rep], timing.get("dense fp32")
+    warm_ms = fig.get("warmup_ms") or (dense[min(rep, len(dense) - 1)]["iter_ms"]
+                                       if dense else fig["iter_ms"])
+    return priced(records, fig["iter_ms"], warm_ms, rank_prices(timing, mode, rep),
+                  dense_price(timing, mode, rep) if bypassing(mode) else None)
 
 
 def val_at(records, iteration: float):
@@ -893,16 +1144,10 @@ def times_to_target(data: dict, rate: str, target) -> dict:
         if why:   # its curve and its timing (or two curves) ran different code: no price
             data.setdefault("refused", {}).setdefault(rate, {})[mode] = why
             continue
-        vals = {}
-        for seed, records in sorted(seeds.items()):
-            for rep, fig in enumerate(timing[mode]):
-                # the warm-up at the mode's own measured warm-up (its dense wire), else
-                # (runs recorded before it was kept) at dense fp32's
-                warm_ms = fig.get("warmup_ms") or dense[min(rep, len(dense) - 1)]["iter_ms"]
-                vals[(seed, rep)] = time_to_loss(priced(records, fig["iter_ms"], warm_ms,
-                                                        fig.get("rank_ms")),
-                                                 target)
-        out[mode] = vals
+        out[mode] = {(seed, rep): time_to_loss(price_run(data, rate, mode, records, rep),
+                                               target)
+                     for seed, records in sorted(seeds.items())
+                     for rep in range(len(timing[mode]))}
     return out
 
 
@@ -978,7 +1223,6 @@ def paired(ttt: dict, mode: str, other: str):
 #: Issue 80's goal for EDGC at its defaults, per link: its time to target at most this
 #: many times the fastest peer's of its precision.
 GOAL = {"100mbit": 0.85, "300mbit": 0.85, "1gbit": 1.0}
-EDGC_OF = {"fp32": "EDGC", "bf16": "EDGC bf16 grads"}
 
 
 def time_split(ttt: dict, iters_to: dict, loss: dict, mode: str, peer: str) -> dict:
@@ -1037,10 +1281,14 @@ def report(data: dict) -> tuple[str, dict]:
         loss, iters_to = curves(data, rate), iterations_to(data, target, rate)
         best = {}
         for prec in ("fp32", "bf16"):
-            best[prec] = fastest_peer({m: v for m, v in ttt.items() if m not in OURS
+            best[prec] = fastest_peer({m: v for m, v in ttt.items() if not ours(m)
                                        and precision(m) == prec})
         verdicts[rate] = {"best_peer": best, "vs_peer": {}, "vs_static": {}, "split": {},
-                          "refused": {}}
+                          "refused": {}, "vs_matched": {}}
+        for prec, edgc in EDGC_OF.items():   # issue 93: the control an adaptive rank must beat
+            matched = f"{matched_name(prec)}@{rate}"
+            if edgc in ttt and matched in ttt and not pair_refusal(data, rate, edgc, matched):
+                verdicts[rate]["vs_matched"][edgc] = paired(ttt, edgc, matched)
         for mode in modes():
             figs = data["time"][rate].get(mode)
             if not figs or not loss.get(mode):   # timed, no curve of this length
@@ -1064,7 +1312,7 @@ def report(data: dict) -> tuple[str, dict]:
                     verdicts[rate]["split"][mode] = time_split(ttt, iters_to, loss, mode,
                                                                best[prec])
             static = STATIC_OF[prec]
-            if mode in OURS and mode != static and "dense" not in mode:
+            if ours(mode) and mode != static and "dense" not in mode:
                 why = pair_refusal(data, rate, mode, static)
                 ratios = None if why else paired(ttt, mode, static)
                 if why:
@@ -1090,6 +1338,224 @@ def report(data: dict) -> tuple[str, dict]:
                 f"{iters_cell(iters_to.get(mode, []))} | {t_cell(ttt.get(mode))} | {vs} | "
                 f"{vs_static} | {t_cell(ttt_old.get(mode))} |")
     return "\n".join(lines), verdicts
+
+
+def link_name(rate: str) -> str:
+    return rate.replace("mbit", " Mbit").replace("gbit", " Gbit")
+
+
+def missing(data: dict) -> list:
+    """What the race's modes lack on each timed link (records of before a mode existed:
+    the report says so rather than price without them): a mode with no timing runs, one
+    without loss curves, a matched-bytes static not chosen yet."""
+    said = []
+    for rate in RATES:
+        if rate not in data["time"]:
+            continue
+        timing, loss = data["time"][rate], curves(data, rate)
+        for mode in modes():
+            if not on_link(mode, rate):
+                continue
+            if mode not in timing:
+                said.append(f"{link_name(rate)}: {mode} not timed")
+            elif not timing_only(mode) and not loss.get(mode):
+                said.append(f"{link_name(rate)}: {mode} has no loss run")
+        for prec in EDGC_OF:
+            if rate not in MATCHED.get(prec, {}):
+                said.append(f"{link_name(rate)}: no {matched_name(prec)} (--phase match-static)")
+    return said
+
+
+#: The rank bins of EDGC's share table: the dense warm-up, iterations the bypass sent
+#: dense after it, and compressed iterations by rank up to each pinned rank and r_max.
+RANK_BINS = ("dense warm-up", "dense (bypass)",
+             *(f"r{lo + 1}–{hi}" if lo else f"r ≤ {hi}"
+               for lo, hi in zip((0,) + PINNED_RANKS, PINNED_RANKS + (R_MAX - 1,))),
+             f"r{R_MAX}")
+
+
+def rank_bin(record: dict, warm: int) -> str:
+    """The :data:`RANK_BINS` bin of an EDGC loss run's iteration (``warm``: its warm-up's
+    last iteration)."""
+    if record["iteration"] <= warm:
+        return RANK_BINS[0]
+    rank = dp_rank(record)
+    if rank is None:
+        return RANK_BINS[1]
+    for label, hi in zip(RANK_BINS[2:], PINNED_RANKS + (R_MAX - 1,)):
+        if rank <= hi:
+            return label
+    return RANK_BINS[-1]
+
+
+def rank_shares(records: list) -> dict:
+    """``{bin: (share of the priced time, share of the iterations)}`` of a priced loss run
+    (:func:`priced`), over the whole run, per :data:`RANK_BINS` bin."""
+    warm = warmup_end(records)
+    train = records
+    total_ms = sum(r["iter_ms"] for r in train)
+    shares = {}
+    for label in RANK_BINS:
+        got = [r for r in train if rank_bin(r, warm) == label]
+        shares[label] = (sum(r["iter_ms"] for r in got) / total_ms, len(got) / len(train))
+    return shares
+
+
+def share_table(data: dict) -> str:
+    """EDGC's share of its priced time (and of its iterations) at each rank (issue 93), per
+    link and precision: the median over seeds × repetitions (iterations: over seeds), and
+    the ranks the timing priced (the rest: linear between them, the nearest outside)."""
+    lines = ["| link | trained in | ranks timed | " + " | ".join(
+        f"{b}: time / iterations" for b in RANK_BINS) + " |", "|---" * (3 + len(RANK_BINS))
+        + "|"]
+    for rate in RATES:
+        timing = data["time"].get(rate, {})
+        for prec, edgc in EDGC_OF.items():
+            runs = curves(data, rate).get(edgc)
+            if not runs or edgc not in timing:
+                continue
+            cells = {b: ([], []) for b in RANK_BINS}
+            timed = set()
+            for seed, records in sorted(runs.items()):
+                for rep in range(len(timing[edgc])):
+                    timed.update(rank_prices(timing, edgc, rep))
+                    for b, (t, i) in rank_shares(price_run(data, rate, edgc, records,
+                                                           rep)).items():
+                        cells[b][0].append(t)
+                        if rep == 0:
+                            cells[b][1].append(i)
+            lines.append(f"| {link_name(rate)} | {prec} | "
+                         f"{', '.join(f'r{r}' for r in sorted(timed)) or 'none'} | "
+                         + " | ".join(f"{spread(t, '.1f', 100)} % / {spread(i, '.1f', 100)} %"
+                                      for t, i in cells.values()) + " |")
+    return "\n".join(lines)
+
+
+def per_iteration_table(data: dict, verdicts: dict) -> str:
+    """EDGC over static r_max of its precision per iteration (issue 93: the timing resolves
+    a 3 % difference), per link: their timing runs' steady ms/iter paired per repetition
+    (the same rank, r_max, where both compress: EDGC's machinery), and the loss runs' priced
+    time per iteration to the target paired per seed × repetition, beside the iterations
+    to it per seed (:func:`time_split`)."""
+    lines = ["| link | trained in | steady ms/iter, EDGC over static, paired per repetition | "
+             "priced time per iteration to target, paired | iterations to target, per seed |",
+             "|---" * 5 + "|"]
+    target = target_loss(data)
+    for rate in RATES:
+        timing = data["time"].get(rate, {})
+        if not timing:
+            continue
+        ttt = times_to_target(data, rate, target)
+        loss, iters_to = curves(data, rate), iterations_to(data, target, rate)
+        for prec, edgc in EDGC_OF.items():
+            static = STATIC_OF[prec]
+            if edgc not in timing or static not in timing:
+                continue
+            steady_ratios = [a["iter_ms"] / b["iter_ms"]
+                             for a, b in zip(timing[edgc], timing[static])]
+            split = {}
+            if edgc in ttt and static in ttt and paired(ttt, edgc, static):
+                split = time_split(ttt, iters_to, loss, edgc, static)
+            lines.append(f"| {link_name(rate)} | {prec} | {ratio_verdict(steady_ratios)} "
+                         f"({len(steady_ratios)}) | "
+                         f"{ratio_verdict(split.get('per_iteration', []))} | "
+                         f"{spread(split.get('iterations', []), '.3f')} |")
+    return "\n".join(lines)
+
+
+def loss_difference(a: dict, b: dict) -> str:
+    """Final validation loss of curves ``a`` minus ``b``'s, paired per seed, judged by the
+    one rule: "lower" or "higher" only where every seed's difference is on one side of 0."""
+    diffs = [final_val(a[s]) - final_val(b[s]) for s in sorted(set(a) & set(b))
+             if final_val(a[s]) is not None and final_val(b[s]) is not None]
+    if not diffs:
+        return "—"
+    word = "lower" if max(diffs) < 0 else "higher" if min(diffs) > 0 else "not resolved"
+    return f"{spread(diffs, '+.4f')} {word}"
+
+
+def matched_table(data: dict, verdicts: dict) -> str:
+    """EDGC against static at the rank matching its DP bytes (issue 93), per link and
+    precision: the rank and the bytes matched, EDGC's time to target over the control's
+    paired per seed × repetition by the one rule, and their final validation losses."""
+    lines = ["| link | trained in | matched rank (EDGC's MiB per compressed iteration, its "
+             "mean rank; static's) | EDGC's time to target over matched static's, paired | "
+             "final val loss, EDGC minus matched static, per seed |", "|---" * 5 + "|"]
+    for rate in RATES:
+        if rate not in data["time"]:
+            continue
+        loss = curves(data, rate)
+        for prec, edgc in EDGC_OF.items():
+            m = MATCHED.get(prec, {}).get(rate)
+            mode = f"{matched_name(prec)}@{rate}"
+            if not m or m.get("rank") is None:
+                lines.append(f"| {link_name(rate)} | {prec} | not chosen (--phase "
+                             f"match-static) | — | — |")
+                continue
+            own = [b for recs in loss.get(mode, {}).values() for _, b in compressed_bytes(recs)]
+            theirs = f"{numpy.mean(own) / 2**20:.3f}" if own else "no loss run"
+            ratios = verdicts.get(rate, {}).get("vs_matched", {}).get(edgc)
+            why = pair_refusal(data, rate, edgc, mode) if mode in data["time"][rate] else None
+            cell = f"not priced: {why}" if why else ratio_verdict(ratios) if ratios else \
+                "not timed" if mode not in data["time"][rate] else "no pairs"
+            lines.append(f"| {link_name(rate)} | {prec} | r{m['rank']} ({m['edgc_mib']:.3f}, "
+                         f"r{m['edgc_mean_rank']:.1f}; {theirs}) | {cell} | "
+                         f"{loss_difference(loss.get(edgc, {}), loss.get(mode, {}))} |")
+    return "\n".join(lines)
+
+
+def race_figure(data: dict, path: str) -> dict:
+    """Validation loss against priced time (issue 93), a panel per link (columns) and
+    precision (rows), a line per mode with a curve and a timing on the link: at each
+    evaluation the median over seeds × repetitions of its priced seconds and of its loss,
+    the band the loss's range; the target dashed. Written with matplotlib's Agg backend to
+    ``path`` (PNG); returns ``{(rate, prec): [modes drawn]}``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot_run import evaluations
+
+    rates = [r for r in RATES if r in data["time"]]
+    target = target_loss(data)
+    fig, axes = plt.subplots(2, max(len(rates), 1), figsize=(6 * max(len(rates), 1), 9),
+                             squeeze=False)
+    drawn = {}
+    for col, rate in enumerate(rates):
+        timing, loss = data["time"][rate], curves(data, rate)
+        for row, prec in enumerate(("fp32", "bf16")):
+            ax, names = axes[row][col], []
+            for mode in modes():
+                if precision(mode) != prec or mode not in timing or not loss.get(mode) \
+                        or code_conflict(mode_runs(data, rate, mode)):
+                    continue
+                runs = [evaluations(price_run(data, rate, mode, records, rep))
+                        for _, records in sorted(loss[mode].items())
+                        for rep in range(len(timing[mode]))]
+                n = min(len(e) for e in runs)
+                if not n:
+                    continue
+                t = numpy.median([[e[i][0] for i in range(n)] for e in runs], axis=0)
+                v = numpy.array([[e[i][2] for i in range(n)] for e in runs])
+                style = "-" if ours(mode) else "--"
+                colour = plt.get_cmap("tab20")(list(modes()).index(mode) % 20)
+                line, = ax.plot(t, numpy.median(v, axis=0), style, label=mode, lw=1.2,
+                                color=colour)
+                ax.fill_between(t, v.min(axis=0), v.max(axis=0), color=line.get_color(),
+                                alpha=0.15, lw=0)
+                names.append(mode)
+            if target is not None:
+                ax.axhline(target, color="k", ls=":", lw=0.8, label=f"target {target:.4f}")
+                ax.set_ylim(target - 0.3, target + 1.2)
+            ax.set(title=f"{link_name(rate)}, trained in {prec}", xlabel="priced time, s",
+                   ylabel="validation loss")
+            if names:
+                ax.legend(fontsize=6, loc="upper right")
+            drawn[(rate, prec)] = names
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
 
 
 LEVEL_FRACTIONS = (0.1, 0.25, 0.5, TARGET_FRACTION)
@@ -1141,13 +1607,59 @@ def levels_table(data: dict, fractions=LEVEL_FRACTIONS) -> str:
     return "\n".join(lines)
 
 
+def issue93_text(data: dict, verdicts: dict, png: str) -> str:
+    """The section's paragraphs of issue 93: EDGC over static per iteration, EDGC's time at
+    each rank, EDGC against the matched-bytes static, the figure, and what the recorded
+    runs lack."""
+    lacks = {}
+    for item in missing(data):
+        link, what = item.split(": ", 1)
+        lacks.setdefault(what, []).append(link)
+    n_links = len([r for r in RATES if r in data["time"]])
+    grouped = {}   # "not timed" -> ["mode (links)", ...]
+    for what, links in lacks.items():
+        where = "" if len(links) == n_links or "@" in what else f" ({', '.join(links)})"
+        for kind in (" not timed", " has no loss run"):
+            if what.endswith(kind):
+                grouped.setdefault(kind.strip(), []).append(what[:-len(kind)] + where)
+                break
+        else:
+            grouped.setdefault("", []).append(what + where)
+    lacks_text = "; ".join(f"{kind}: {', '.join(v)}" if kind else "; ".join(v)
+                           for kind, v in grouped.items())
+    return ("\n\nEDGC over static r_max of its precision per iteration (issue 93): the timing "
+            "runs' steady ms/iter paired per repetition (both at r_max where they compress; "
+            "how many pairs in brackets), and the loss runs' priced time per iteration to "
+            "the target paired per seed × repetition, beside their iterations to it:\n\n"
+            + per_iteration_table(data, verdicts)
+            + "\n\nEDGC's share of its priced time / of its iterations at each rank, over "
+            "its whole loss run (median (min–max) over seeds × repetitions; the ranks timed: "
+            "the ones priced at their own measured cost, the rest linear between them and "
+            "at the nearest outside, or at the steady ms/iter where none was timed):\n\n"
+            + share_table(data)
+            + "\n\nEDGC against static at the rank matching its DP bytes per compressed "
+            "iteration on the link (`--phase match-static`: the bypass decides for both, "
+            "EDGC's warm-up left out), by the one rule; the final validation loss paired per "
+            "seed:\n\n" + matched_table(data, verdicts)
+            + f"\n\nValidation loss against priced time, per link and precision (median "
+            f"over seeds × repetitions, the band the loss's range over them; this product's "
+            f"modes solid, peers dashed):\n\n![the race: validation loss against priced "
+            f"time]({os.path.relpath(png, ROOT)})"
+            + (f"\n\nNot in the recorded runs: {lacks_text}." if lacks_text else ""))
+
+
 def load_tuned(out: str) -> None:
     """The race runs the tuned DiLoCo beside the paper's once ``--phase tune-diloco`` has
-    written ``out/diloco_tuning.json``."""
+    written ``out/diloco_tuning.json``, and the matched-bytes static once ``--phase
+    match-static`` has written ``out/static_matched.json``."""
     tuning = os.path.join(out, "diloco_tuning.json")
     if os.path.exists(tuning):
         with open(tuning) as fh:
             TUNED.update(json.load(fh))
+    matched = os.path.join(out, "static_matched.json")   # and the matched-bytes static
+    if os.path.exists(matched):
+        with open(matched) as fh:
+            MATCHED.update(json.load(fh))
 
 
 def main() -> int:
@@ -1164,9 +1676,15 @@ def main() -> int:
                         "two windows)")
     p.add_argument("--modes", nargs="+", default=None, choices=list(modes()),
                    help="run only these modes (the report still reads every recorded run)")
-    p.add_argument("--phase", choices=("all", "loss", "time", "tune-diloco"), default="all",
+    p.add_argument("--phase", choices=("all", "loss", "time", "tune-diloco", "match-static"),
+                   default="all",
                    help="tune-diloco: DiLoCo's grid on the tuning seed, per H; the race "
-                        "then runs the chosen settings")
+                        "then runs the chosen settings. match-static: the rank of static "
+                        "matching EDGC's DP bytes per link and precision, from EDGC's loss "
+                        "runs (--match-from DIR, default --out); the race then runs it")
+    p.add_argument("--match-from", default=None, metavar="DIR",
+                   help="--phase match-static: read EDGC's loss runs from DIR (another "
+                        "race's: the control then times interleaved from the start)")
     p.add_argument("--rates", nargs="+", default=RATES, choices=RATES,
                    help="time on these links only")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timing repetitions")
@@ -1187,6 +1705,9 @@ def main() -> int:
     if args.phase == "tune-diloco":
         tune_diloco(args.out, args.loss_iters)
         return 0
+    if args.phase == "match-static":
+        print(json.dumps(match_static(args.out, args.match_from), indent=1))
+        return 0
     if not args.report_only:
         # the timing first: the bypassing modes' loss runs declare the links it measured
         if args.phase in ("all", "time"):
@@ -1194,13 +1715,27 @@ def main() -> int:
                        args.repeats)
         if args.phase in ("all", "loss"):
             run_losses(args.out, args.loss_iters, args.modes, args.seeds, args.rates)
-            if args.phase == "loss":   # curves only
-                return 0
+        if args.phase == "all" and not MATCHED and (
+                not args.modes or set(EDGC_OF.values()) & set(args.modes)):
+            # the control needs EDGC's loss runs: chosen now, then timed (after the other
+            # modes' repetitions, not among them) and trained
+            match_static(args.out)
+            chosen = [m for m in modes() if m.startswith("static matched")]
+            if chosen:
+                run_timing(args.out, args.loss_iters, args.time_iters, chosen, args.rates,
+                           args.repeats)
+                run_losses(args.out, args.loss_iters, chosen, args.seeds, args.rates)
+        if args.phase == "loss":   # curves only
+            return 0
     data = collect(args.out, args.loss_iters, args.time_iters, args.time_from)
     table, verdicts = report(data)
     target, old = target_loss(data), old_target_loss(data)
+    png = os.path.join(args.out, "race.png")
+    drawn = race_figure(data, png)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"target": target, "old_target": old, "verdicts": verdicts,
+                   "matched": MATCHED, "missing": missing(data),
+                   "figure": {f"{rate} {prec}": m for (rate, prec), m in drawn.items()},
                    "stamps": stamps_line(data), "refused": data.get("refused", {}),
                    "timing": data["time"],
                    "iterations_to_target": {rate: iterations_to(data, target, rate)
@@ -1228,11 +1763,14 @@ def main() -> int:
             f"latency). Timing: the loss run's config stopped after {args.time_iters} "
             f"iterations (whole outer rounds of every mode) per link "
             f"(tbf-shaped veth per rank), {repeats} repetitions, every mode once per "
-            f"repetition, in one timing session per precision "
+            f"repetition in an order rotated between them, in one timing session per precision "
             f"({sessions_text(data.get('session') or {})}); ms/iter, DP sync, "
             f"MiB/iter (whole job, payload) and compress ms are the median (min–max) over them, "
             f"after each run's warm-up. Time to target = the seed's loss curve priced at the "
-            f"link's ms/iter, to dense fp32's val loss at {TARGET_FRACTION:.0%} of its run, the "
+            f"link's ms/iter (EDGC's: each iteration at the rank it ran, timed with EDGC "
+            f"pinned at r{', r'.join(map(str, PINNED_RANKS))} and at r_max, its dense warm-up "
+            f"at its own measured cost, an iteration the bypass sent dense at the dense "
+            f"sync's), to dense fp32's val loss at {TARGET_FRACTION:.0%} of its run, the "
             f"highest over the seeds ({fmt(target)}); the old target, the worst final val loss "
             f"of dense fp32 and bf16 wire over the seeds ({fmt(old)}), in the last column. "
             f"Ratios pair seeds × repetitions against the fastest peer (a mode not this "
@@ -1247,7 +1785,8 @@ def main() -> int:
             + table + "\n\nThe goal (issue 80): EDGC at its defaults to the target in at most "
             "0.85× the fastest peer's time of its precision at 100 and 300 Mbit, at most 1.0× "
             "at 1 Gbit; met only where every paired ratio is at or below the bound, missed "
-            "only where every one is above, open otherwise:\n\n" + goal_table(verdicts) + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
+            "only where every one is above, open otherwise:\n\n" + goal_table(verdicts)
+            + issue93_text(data, verdicts, png) + ("\n\nTime to each loss on the way (dense fp32's at 10, 25, 50 and 75 % "
                        "of its run), priced the same way; in bold a mode faster than every "
                        "other, only where every paired ratio against each of them is below 1 "
                        "(their median and range against them all); none otherwise:\n\n"
