@@ -212,6 +212,7 @@ def run_case(case: str, out_dir: str, steps: int, micro_batches: int) -> None:
 
         return losses, loss_func
 
+    initial = full_weights(model) if case == "ddp" else {}
     losses, first_grads, outer_sent, outer_reduced, outer_ptrs = [], {}, [], [], []
     try:
         for step in range(steps):
@@ -240,7 +241,8 @@ def run_case(case: str, out_dir: str, steps: int, micro_batches: int) -> None:
     weights = full_weights(model)
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"rank": dist.get_rank(), "dp_rank": dp_rank, "losses": losses,
-                "weights": weights, "outer_calls": counter.calls, "outer_bytes": counter.bytes,
+                "weights": weights, "initial_weights": initial,
+                "outer_calls": counter.calls, "outer_bytes": counter.bytes,
                 "outer_shapes": counter.shapes,
                 "outer_members": dist.get_process_group_ranks(outer) if outer else None,
                 "outer_sent": outer_sent, "outer_reduced": outer_reduced,
