@@ -6,9 +6,9 @@ Megatron-FSDP's streams, its ``cuda:<device>`` defaults and its ``device="cuda"`
 Megatron-FSDP needs (0.16.1 read; docs/megatron-fsdp-cpu.md lists each with its error):
 
 * a CPU device mesh: the adapter builds its ``DeviceMesh`` with ``device_type="cuda"``;
-  any later mesh made from it (``DeviceMesh._flatten``, which Megatron-FSDP's uneven
-  DTensor gather and the optimizer's grad-norm groups use) calls ``torch.cuda.set_device``
-  and fails without CUDA;
+  any mesh derived from it (``DeviceMesh._flatten``, as Megatron-FSDP's uneven DTensor
+  gather makes) calls ``torch.cuda.set_device`` and fails without CUDA (training itself
+  makes none);
 * full-length placements on a parameter replicated over the HSDP mesh: for an unsharded
   parameter (inner ``no_shard``) ``_get_fsdp_tensor_spec`` returns ``[Replicate()]`` for a
   2-D (outer, inner) mesh; torch 2.13's sharding propagation refuses the optimizer's
