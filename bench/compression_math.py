@@ -154,48 +154,75 @@ def measure(config: str, repeats: int) -> dict:
 
 ROOFLINE_SHARDS = {"12.1b TP8·PP4 stage 0, hidden/4": ("gpt2-12.1b-h100x64", 4),
                    "2.5b TP4·PP2 stage 0, hidden/4": ("gpt2-2.5b-v100x32", 4)}
+#: The race's model (bench/peers.py): its whole pure-DP bucket, in megatron-core's order
+#: (the last parameter first), bf16 factors as the product ships (``--edgc-factor-dtype``).
+RACE = "race: tiny-cpu TP1·PP1·DP4, bf16 factors"
+#: The methods of each kind of row: the race's against the step of before issue 93; the
+#: paper shards' against both befores.
+RACE_METHODS = ("before-93", "after")
+SHARD_METHODS = ("before", "before-93", "after")
 
 
-def roofline(ranks, repeats: int, threads: int) -> str:
-    """Each phase of the step before and after issue 33 against its floor, on this CPU."""
+def race_shapes() -> list:
+    """The race's bucket: every gradient of ``configs/tiny-cpu.yaml`` at TP1·PP1·DP4 as a
+    matrix (vectors ``1 x n``), the last parameter first, as megatron-core lays it out."""
+    return [matrix_shape(s) for s in reversed(config_shapes(CONFIGS["tiny"][0]))]
+
+
+def roofline(ranks, race_ranks, repeats: int, threads: int) -> str:
+    """Each phase of the step against its floor, on this CPU: the race's bucket before and
+    after issue 93, the paper shards before issue 33, before issue 93 and after."""
     from bench.gpu_kernels import shard_shapes
 
     peaks = measure_peaks("cpu", copy_mib=256, matmul_n=2048, repeats=5)
-    rows = []
+    cases = [(RACE, race_shapes(), rank, torch.bfloat16, RACE_METHODS) for rank in race_ranks]
     for label, (cluster, scale) in ROOFLINE_SHARDS.items():
         mats, rest, _ = shard_shapes(cluster, scale)
-        shapes = mats + [(1, rest)]
-        for rank in ranks:
-            r = compare(shapes, rank, "cpu", peaks, repeats=repeats, warmup=1)
-            fl = r["floor_ms"]
-            for method in ("before", "after"):
-                run = r["runs"][method]
-                cells = [f"{run[p]:.1f} / {fl[p]:.1f} = **{run[p] / fl[p]:.1f}x**"
-                         for p in PHASES]
-                tr = run.get("transient_bytes")
-                rows.append(f"| {label} ({r['matrices']} matrices) | r{rank} | {method} | "
-                            + " | ".join(cells)
-                            + f" | {run['step']:.1f} [{run['step_min']:.1f}–{run['step_max']:.1f}]"
-                            f" / {fl['step']:.1f} = **{run['step'] / fl['step']:.1f}x** | "
-                            f"{run['ef_state_bytes'] / 2**20:.0f} | "
-                            f"{'–' if tr is None else f'{tr / 2**20:.0f}'} |")
-                print(rows[-1], flush=True)
+        cases += [(label, mats + [(1, rest)], rank, torch.float32, SHARD_METHODS)
+                  for rank in ranks]
+    rows = []
+    for label, shapes, rank, factor_dtype, methods in cases:
+        r = compare(shapes, rank, "cpu", peaks, repeats=repeats, warmup=1, methods=methods,
+                    factor_dtype=factor_dtype)
+        fl = r["floor_ms"]
+        for method in methods:
+            run = r["runs"][method]
+            cells = [f"{run[p]:.1f} / {fl[p]:.1f} = **{run[p] / fl[p]:.1f}x**" for p in PHASES]
+            tr = run.get("transient_bytes")
+            rows.append(f"| {label} ({r['matrices']} matrices) | r{rank} | {method} | "
+                        + " | ".join(cells)
+                        + f" | {run['step']:.1f} [{run['step_min']:.1f}–{run['step_max']:.1f}]"
+                        f" / {fl['step']:.1f} = **{run['step'] / fl['step']:.1f}x** | "
+                        f"{run['ops']} | {run['ef_state_bytes'] / 2**20:.0f} | "
+                        f"{'–' if tr is None else f'{tr / 2**20:.0f}'} |")
+            print(rows[-1], flush=True)
     return "\n".join([
         f"This CPU, {threads} torch thread(s): copy {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
         f"(read + write, {peaks['copy_mib']} MiB fp32), matmul "
         f"{peaks['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s (fp32, {peaks['matmul_n']}³), "
         "measured in the same run. Floors from `bench/roofline.py` (bytes a step must move, "
         "flops it must do, per phase); each cell is measured ms / floor ms = ratio, median of "
-        f"{repeats} steps (the step's min–max in brackets). `before`: the step before issue "
-        "33 (stacked copy of the gradients, `torch.linalg.qr`); `after`: today's. Gradients "
-        "are views of one flat buffer in layer order, as megatron-core's bucket. Transient: "
-        "peak RSS during one step minus the resident set before it, with every block of "
-        "1 MiB or more mapped on its own (glibc `M_MMAP_THRESHOLD`), so the resident set "
-        "follows the live temporaries.",
+        f"{repeats} steps (the step's min–max in brackets), the calling thread's CPU time "
+        "(other work on the machine does not count; the step runs on that one thread). "
+        "`before`: the step before issue 33 (stacked copy of the gradients, "
+        "`torch.linalg.qr`); `before-93`: today's step with issue 93's changes undone (the "
+        "orthogonalization per shape group, finiteness by `isfinite(x).all()`); `after`: "
+        "today's. The race's rows: its model's whole bucket (`configs/tiny-cpu.yaml` at "
+        "TP1·PP1·DP4), bf16 factors as the product ships; the shards' rows: fp32 factors. "
+        "Orthogonalization: the step's method on this device (`orthonormalization()` in "
+        "`megatron_edgc/compression/orthonormal.py`), timed alone on the step's factor "
+        "shapes; middle: the middle phase without it. Ops: aten operations one step "
+        "dispatches (views included; a `TorchDispatchMode` counts them). Gradients are views "
+        "of one flat buffer in layer order, as megatron-core's bucket. Transient: peak RSS "
+        "during one step minus the resident set before it, with every block of 1 MiB or more "
+        "mapped on its own (glibc `M_MMAP_THRESHOLD`), so the resident set follows the live "
+        "temporaries; timed with glibc as a training process runs in its steady state "
+        "(blocks under 32 MiB from the heap, kept: `heap_as_in_training` in "
+        "`bench/step_phases.py`).",
         "",
         "| shard | rank | step | start | orthogonalization | middle (without it) | finish "
-        "| whole step | EF state MiB | transient MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| whole step | ops | EF state MiB | transient MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "", "<!-- notes -->"])
 
 
@@ -204,7 +231,9 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--roofline-ranks", type=int, nargs="*", default=[16, 64],
-                   help="ranks of the before/after roofline table (none: skip it)")
+                   help="the paper shards' ranks in the roofline table")
+    p.add_argument("--race-ranks", type=int, nargs="*", default=[8, 16, 24, 32],
+                   help="the race's ranks in the roofline table (none of either: skip it)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: each of the benchmark's 4 ranks has half a core)")
     args = p.parse_args()
@@ -223,10 +252,11 @@ def main() -> int:
                     f" | {spread(m['hook_math'], '{:.1f}')} |")
         print(rows[-1], flush=True)
     dist.destroy_process_group()
-    if args.roofline_ranks:
+    if args.roofline_ranks or args.race_ranks:
         write_section("compression_floor", "The compressed step against its floor (issue 33)",
                       "python bench/compression_math.py " + " ".join(sys.argv[1:]),
-                      roofline(args.roofline_ranks, args.repeats, args.threads))
+                      roofline(args.roofline_ranks, args.race_ranks, args.repeats,
+                               args.threads))
     body = "\n".join([
         f"One process, {args.threads} torch thread(s), {args.repeats} repetitions (variants "
         "alternating); the whole pure-DP gradient of each config, one DP rank (collectives "

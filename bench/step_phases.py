@@ -11,6 +11,7 @@ gradients, ``torch.linalg.qr``). One DP rank: the collectives are left out.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ import torch
 from bench.roofline import floor_ms, step_floor
 from bench.orthonormal_before import fp32_gram_orthonormalize
 from bench.step_before import BeforeBucketCompressor, householder_orthonormalize
-from megatron_edgc.compression.orthonormal import orthonormalize
+from megatron_edgc.compression.orthonormal import orthonormalize, orthonormalize_step
 from megatron_edgc.compression.powersgd import BucketCompressor
 
 
@@ -30,15 +31,68 @@ class Fp32GramBucketCompressor(BucketCompressor):
     orthonormalize = staticmethod(fp32_gram_orthonormalize)
 
 
+def _per_group_orthonormalize(p, stood_in=None):
+    """:func:`orthonormalize` called per shape group whatever the device (before issue 93)."""
+    return orthonormalize(p, stood_in=stood_in)
+
+
+class Before93BucketCompressor(BucketCompressor):
+    """Today's step with issue 93's host changes undone (with :func:`issue_93_undone`):
+    :func:`orthonormalize` per shape group, and finiteness tested by ``isfinite(x).all()``."""
+
+    orthonormalize = staticmethod(_per_group_orthonormalize)
+
+
+def _isfinite_all(x, dim=None):
+    return torch.isfinite(x).all() if dim is None else torch.isfinite(x).all(dim)
+
+
+@contextlib.contextmanager
+def issue_93_undone():
+    """The finiteness tests of before issue 93 (``isfinite``'s three elementwise passes)
+    in every module of the step that tests one."""
+    from megatron_edgc.compression import kernels, powersgd, unit_state
+
+    modules = (kernels, powersgd, unit_state)
+    saved = [m.all_finite for m in modules]
+    for m in modules:
+        m.all_finite = _isfinite_all
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.all_finite = fn
+
+
 #: ``before``: the step of before issue 33; ``fp32-gram``: today's step with the
-#: orthonormalization of before issue 56; ``after``: today's.
+#: orthonormalization of before issue 56; ``before-93``: today's step with issue 93's
+#: changes undone; ``after``: today's.
 METHODS = {"after": (BucketCompressor, orthonormalize),
            "before": (BeforeBucketCompressor, householder_orthonormalize),
-           "fp32-gram": (Fp32GramBucketCompressor, fp32_gram_orthonormalize)}
+           "fp32-gram": (Fp32GramBucketCompressor, fp32_gram_orthonormalize),
+           "before-93": (Before93BucketCompressor, _per_group_orthonormalize)}
+
+
+def count_ops(fn) -> int:
+    """The aten operations ``fn()`` dispatches (views included), as a
+    ``TorchDispatchMode`` sees them: what a step pays the per-call overhead for."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
 
 
 class Timer:
-    """Milliseconds of ``fn()``: CUDA events on the current stream, or the host clock."""
+    """Milliseconds of ``fn()``: CUDA events on the current stream, or the calling thread's
+    CPU time on the host."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -51,9 +105,9 @@ class Timer:
             b.record()
             b.synchronize()
             return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        t0 = time.thread_time()   # this thread's CPU time: others' load on the machine
+        fn()                      # does not count (one torch thread runs the step on it)
+        return (time.thread_time() - t0) * 1e3
 
 
 def flat_grads(shapes, device, dtype=torch.float32) -> tuple[torch.Tensor, list]:
@@ -79,7 +133,26 @@ def release_freed_heap() -> None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD, glibc's default
         libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def heap_as_in_training() -> None:
+    """glibc as a training process runs in its steady state, for timing: blocks under
+    32 MiB (the cap of its dynamic mmap threshold, which a process that never calls
+    ``mallopt`` reaches once it has freed such a block) come from the heap and stay there
+    (trim threshold 64 MiB), so a step's temporaries reuse pages instead of faulting in
+    fresh ones (:func:`release_freed_heap`'s rule, for measuring memory, makes every
+    block of 1 MiB or more do so)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
 
@@ -102,10 +175,18 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
     formed in fp32 slices); ``before`` only ran on fp32 buffers."""
     if method == "before" and grad_dtype != torch.float32:
         raise ValueError("the step before issue 33 takes fp32 gradient buffers only")
+    with issue_93_undone() if method == "before-93" else contextlib.nullcontext():
+        return _time_method(method, shapes, rank, device, repeats=repeats, warmup=warmup,
+                            factor_dtype=factor_dtype, ef_dtype=ef_dtype,
+                            grad_dtype=grad_dtype, min_compression_rate=min_compression_rate)
+
+
+def _time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup: int,
+                 factor_dtype, ef_dtype, grad_dtype, min_compression_rate: float) -> dict:
     cls, orth = METHODS[method]
     device = torch.device(device)
     if device.type == "cpu":   # every setting timed under the allocator's same rules
-        release_freed_heap()
+        heap_as_in_training()
     entries = [(f"p{i}", s) for i, s in enumerate(shapes)]
     kwargs = {"ef_dtype": ef_dtype} if method != "before" else {}
     comp = cls(entries, rank, min_compression_rate=min_compression_rate, seed=0, device=device,
@@ -138,7 +219,7 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
     for i in range(warmup + repeats):
         buf.copy_(source)
         t = {"start": timer(start), "middle": timer(middle), "finish": timer(finish),
-             "orth": timer(lambda: [orth(p) for p in ps])}
+             "orth": timer(lambda: orthonormalize_step(ps, [], comp.orthonormalize))}
         applied(True)
         if i >= warmup:
             for key, ms in t.items():
@@ -148,6 +229,9 @@ def time_method(method: str, shapes, rank: int, device, *, repeats: int, warmup:
     out["middle"] = max(0.0, out["middle"] - out["orth"])  # the middle without the QR
     out["step_min"], out["step_max"] = min(phases["step"]), max(phases["step"])
     out["ef_state_bytes"] = comp.state_bytes()
+    buf.copy_(source)
+    out["ops"] = count_ops(lambda: (start(), middle(), finish()))
+    applied(True)
     buf.copy_(source)
     if device.type == "cuda":
         torch.cuda.synchronize()

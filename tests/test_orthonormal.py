@@ -238,3 +238,90 @@ def test_a_fill_in_the_span_of_p_stands_in_instead_of_a_basis_that_is_not_orthon
             q = orthonormalize(p, stood_in=stood_in)
             assert stood_in[0].tolist() == [True], (a, b)
             assert_orthonormal_basis_of(q, p, missed_at_most=1e-6)
+
+
+def test_the_method_by_device_and_the_gpu_keeps_the_tested_one():
+    """Issue 93: the step orthonormalizes per shape group with :func:`orthonormalize` on a
+    GPU (the method the tests above hold, unchanged), batched on the host; a per-group
+    function that is not :func:`orthonormalize` (a benchmark's, a test's) runs per group
+    everywhere. Decided without running anything on the device."""
+    from megatron_edgc.compression import orthonormal
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert orthonormal.orthonormalization("cuda", dtype) == orthonormal.PER_GROUP
+        assert orthonormal.orthonormalization(torch.device("cuda", 1), dtype) == \
+            orthonormal.PER_GROUP
+    assert orthonormal.orthonormalization("cpu", torch.float32) == orthonormal.BATCHED
+    p = [torch.randn(2, 64, 8), torch.randn(1, 32, 8)]
+    seen = []
+    orthonormal.orthonormalize_step(p, [], lambda x, stood_in: seen.append(x.shape) or x)
+    assert seen == [(2, 64, 8), (1, 32, 8)]
+
+
+HOST_SHAPES = [pytest.param(n, r, id=f"{n}x{r}",
+                            marks=() if (n, r) in TF32_CI else pytest.mark.extended)
+               for n, r in SHAPES]
+
+
+@pytest.mark.parametrize("n,r", HOST_SHAPES)
+def test_the_hosts_batched_method_meets_the_bound_on_every_kind_of_p(n, r):
+    """The host's method (:func:`orthonormalize_batched`: fp64 Grams, IEEE fp32 products,
+    every factor of a rank in one chain of ``[r, r]`` calls) on the same adversarial
+    factors at the same shapes, batched together with a second height: orthonormal to
+    ``ORTHOGONALITY_BOUND`` and spanning ``P`` as the GPU's, nothing stood in, and the
+    bits of one matrix the same batched or alone."""
+    from megatron_edgc.compression.orthonormal import orthonormalize_batched
+
+    ps = [factors(kind, n, r, seed) for seed, kind in enumerate(KINDS)]
+    ps.append(factors("spread", 2 * r, r, 9))
+    stood_in = []
+    qs = orthonormalize_batched(ps, stood_in=stood_in)
+    assert [s.shape[0] for s in stood_in] == [p.shape[0] for p in ps]
+    for kind, q, p, s in zip(KINDS + ("other height",), qs, ps, stood_in):
+        assert not s.any(), kind
+        assert q.dtype == torch.float32 and q.shape == p.shape
+        assert_orthonormal_basis_of(q, p, missed_at_most=3e-3 if kind == "decaying" else 1e-4)
+
+
+def test_the_hosts_batched_method_stands_in_as_the_gpus_does():
+    """Zero, rank-deficient and non-finite factors, a fill in the span of ``P`` (issue
+    64's input) and failing factorizations (NaN from ``cholesky_ex``, as the job tests
+    inject it): the host's method gives a unit vector per missing direction, non-finite
+    output for non-finite input (not stood in), and the fixed basis, flagged, where a
+    factorization failed; three ``cholesky_ex`` calls per rank, whatever the groups."""
+    from megatron_edgc.compression.orthonormal import fixed_basis, orthonormalize_batched
+
+    n, r = 2000, 4
+    fill = fixed_basis(n, r, "cpu")
+    span = torch.zeros(1, n, r)
+    span[0, :, 1] = fill[:, 0]
+    nan = torch.randn(1, 300, r)
+    nan[0, 7, 2] = float("nan")
+    ps = [torch.zeros(2, 100, r), span, nan, factors("deficient", 256, 16, 3)[:, :, :r]]
+    stood_in = []
+    qs = orthonormalize_batched(ps, stood_in=stood_in)
+    assert [s.tolist() for s in stood_in] == [[False, False], [True], [False], [False, False]]
+    assert_orthonormal_basis_of(qs[0], torch.randn(2, 100, r), missed_at_most=1.0)
+    assert torch.equal(qs[1][0], fill)
+    assert not torch.isfinite(qs[2]).all()
+    assert_orthonormal_basis_of(qs[3], ps[3], missed_at_most=1e-4)
+
+    calls = []
+    original = torch.linalg.cholesky_ex
+
+    def failing(a, **kw):
+        calls.append(a.shape)
+        out = original(a, **kw)
+        return type(out)((torch.full_like(out.L, float("nan")), out.info + 1))
+
+    torch.linalg.cholesky_ex = failing
+    try:
+        stood_in = []
+        ps = [torch.randn(3, 64, 8), torch.randn(1, 512, 8), torch.randn(2, 64, 4)]
+        qs = orthonormalize_batched(ps, stood_in=stood_in)
+    finally:
+        torch.linalg.cholesky_ex = original
+    assert sorted(calls) == sorted([(4, 8, 8)] * 3 + [(2, 4, 4)] * 3)
+    assert all(s.all() for s in stood_in)
+    for q, p in zip(qs, ps):
+        assert torch.equal(q, fixed_basis(p.shape[1], p.shape[2], "cpu").expand_as(q))

@@ -753,3 +753,26 @@ def test_a_failed_factorization_is_replaced_on_the_device(monkeypatch):
     _assert_orthonormal_basis_of(q[:1], p[:1], missed_at_most=1.0)
     _assert_orthonormal_basis_of(q[1:], p[1:], missed_at_most=1e-4)
     assert torch.equal(q[1], orthonormalize(p)[1])   # the other matrix as without failure
+
+
+def test_all_finite_is_exact_in_every_dtype_and_position():
+    """Issue 93's finiteness test of a step's buffers (one ``aminmax``, not ``isfinite``'s
+    three passes): a NaN or an infinity anywhere, in any floating dtype, makes it False;
+    the largest finite values do not; per row with ``dim``; empty is True."""
+    from megatron_edgc.compression.kernels import all_finite
+
+    gen = torch.Generator().manual_seed(93)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        big = torch.full((9,), torch.finfo(dtype).max, dtype=dtype)
+        big[::2] = -big[::2]
+        assert all_finite(big)
+        for n in (1, 7, 33, 4099):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                for at in {0, n // 2, n - 1}:
+                    x = torch.randn(3, n, generator=gen).to(dtype)
+                    assert all_finite(x) and all_finite(x, dim=1).all()
+                    x[1, at] = value
+                    assert not all_finite(x)
+                    assert all_finite(x, dim=1).tolist() == [True, False, True]
+    assert all_finite(torch.empty(0)) and all_finite(torch.empty(2, 0), dim=1).tolist() == \
+        [True, True]

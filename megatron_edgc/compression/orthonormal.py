@@ -3,6 +3,7 @@ null-space fill, deterministic and free of host syncs (EDGC §1's ``orth``)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -91,8 +92,11 @@ class _IeeeFp32Matmul:
     sync. (The Grams are fp64 and never TF32; this keeps the fp32 products that form the
     basis at fp32's rounding where PyTorch decides it.)"""
 
+    def __init__(self, matmul=None):
+        self.matmul = matmul
+
     def __enter__(self):
-        matmul = torch.backends.cuda.matmul
+        matmul = self.matmul or torch.backends.cuda.matmul
         self.new_api = hasattr(matmul, "fp32_precision")
         if self.new_api:
             self.saved = matmul.fp32_precision
@@ -102,11 +106,18 @@ class _IeeeFp32Matmul:
             matmul.allow_tf32 = False
 
     def __exit__(self, *exc):
-        matmul = torch.backends.cuda.matmul
+        matmul = self.matmul or torch.backends.cuda.matmul
         if self.new_api:
             matmul.fp32_precision = self.saved
         else:
             matmul.allow_tf32 = self.saved
+
+
+def _host_ieee_matmul():
+    """:class:`_IeeeFp32Matmul` for the host's fp32 products (oneDNN's setting), where this
+    PyTorch has one."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return _IeeeFp32Matmul(matmul) if hasattr(matmul, "fp32_precision") else nullcontext()
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -222,3 +233,114 @@ def orthonormalize(p: torch.Tensor, fill: Optional[torch.Tensor] = None,
     if stood_in is not None:
         stood_in.append(failed.view(-1))
     return x.squeeze(0) if squeeze else x
+
+
+#: :func:`orthonormalization`'s methods: :func:`orthonormalize` called on each shape
+#: group's ``[k, n, r]`` (the GPU's, as tested under its rounding and forced TF32), or
+#: :func:`orthonormalize_batched` over all of a step's groups at once (the host's).
+PER_GROUP = "per-group"
+BATCHED = "batched"
+#: The dtype of :func:`orthonormalize_batched`'s products over the rows (steps 3-4; its
+#: Grams are fp64, :data:`WORK_DTYPE`): fp32 at IEEE rounding, which the host keeps
+#: whatever its matmul precision setting says (``torch.backends.mkldnn.matmul``); with no
+#: TF32 there, the adversarial factors of ``tests/test_orthonormal.py`` stay 1.3e-7 from
+#: orthonormal (the bound: 1e-5) and span ``P`` as in fp64.
+HOST_PRODUCT_DTYPE = torch.float32
+
+
+def orthonormalization(device, dtype: torch.dtype = torch.float32) -> str:
+    """The method a step orthonormalizes its factors with on ``device`` in ``dtype``.
+
+    On a GPU :data:`PER_GROUP`, :func:`orthonormalize` as issues 56 and 64 left it (its
+    numerics tested under a GPU's rounding and TF32 forced on fp32 products). On the host
+    (fp32 or fp64 factors) :data:`BATCHED`, :func:`orthonormalize_batched`: the same
+    shifted CholeskyQR3 with its fill and its stand-in, fp64 Grams and products, its
+    ``[r, r]`` algebra one batched call for every group of a rank, and two passes fewer over
+    the rows (BENCHMARKS.md, "The compressed step against its floor": at the race's small
+    shapes a CPU's time per call, not its arithmetic, sets the orthogonalization's)."""
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64):
+        return BATCHED
+    return PER_GROUP
+
+
+def orthonormalize_step(ps: list, stood_in: Optional[list] = None,
+                        one: Callable = orthonormalize) -> list:
+    """A step's factors (``[k_i, n_i, r_i]`` per shape group, fp32) orthonormalized by
+    :func:`orthonormalization`'s method for their device, in order (``stood_in`` as
+    :func:`orthonormalize`'s, per group). ``one``: the per-group function; another than
+    :func:`orthonormalize` (a benchmark's, a test's failing one) is called per group
+    whatever the device."""
+    if ps and one is orthonormalize and orthonormalization(ps[0].device, ps[0].dtype) == BATCHED:
+        return orthonormalize_batched(ps, stood_in)
+    return [one(p, stood_in=stood_in) for p in ps]
+
+
+def orthonormalize_batched(ps, stood_in: Optional[list] = None) -> list:
+    """:func:`orthonormalize` of each ``[k_i, n_i, r]`` in ``ps`` (fp32 out, row-major),
+    the host's way (:func:`orthonormalization`): one chain of ``[r, r]`` calls for all the
+    factors of a rank, whatever their rows; over each factor's rows an fp64 copy, two
+    Grams and three products in fp64 (:data:`PRODUCT_DTYPE` is fp64 for this reason too:
+    a CPU's fp32 matmul may run in bf16 under a precision setting), as step 3-4 of
+    :func:`orthonormalize` do.
+
+    The same five steps, two of them formed otherwise: the column norms are the square
+    roots of the first Gram's diagonal (of the fp64 copy of ``P``: squares of fp32 values
+    neither overflow nor underflow there), and the unit columns are never formed: the
+    first Gram is scaled by them, and the scaling is folded into the transform
+    ``x₂ = x D T``. Every factorization is still a ``torch.linalg.cholesky_ex`` (three per
+    rank), judged and stood in for as there; ``stood_in``, when given, gets the bool
+    ``[k_i]`` of each factor, in order."""
+    out: list = [None] * len(ps)
+    failed: list = [None] * len(ps)
+    by_rank: dict = {}
+    for i, p in enumerate(ps):
+        by_rank.setdefault(p.shape[2], []).append(i)
+    for r, index in by_rank.items():
+        hats, bad = _cholesky_qr3_batched([ps[i] for i in index], r)
+        for i, hat, b in zip(index, hats, bad):
+            out[i], failed[i] = hat, b
+    if stood_in is not None:
+        stood_in.extend(failed)
+    return out
+
+
+def _cholesky_qr3_batched(ps: list, r: int) -> tuple:
+    """:func:`orthonormalize_batched` for factors of one rank ``r``: ``(bases, failed)``."""
+    device = ps[0].device
+    counts = [p.shape[0] for p in ps]
+    eye = torch.eye(r, device=device, dtype=WORK_DTYPE)
+    safe = max(cholesky_safe_shift(p.shape[1], r) for p in ps)   # the tallest's: above all
+    xs = [p.float() for p in ps]
+    gram = torch.cat([_gram(x) for x in xs])       # of P itself: fp32 squares can't overflow
+    squares = gram.diagonal(dim1=1, dim2=2)                       # [K, r]
+    given = torch.isfinite(squares).all(dim=1)
+    scale = squares.sqrt().clamp_min(torch.finfo(WORK_DTYPE).tiny).reciprocal() \
+        .clamp_max(torch.finfo(torch.float32).max)               # 1. unit columns
+    gram0 = gram * scale.unsqueeze(2) * scale.unsqueeze(1)
+    inv1, s1, failed1 = _shifted_cholesky_inverse(gram0, eye, GRAM_SHIFT, safe)   # 2.
+    gram1 = eye - s1 * torch.bmm(inv1, inv1.transpose(1, 2))
+    inv2, s2, failed2 = _shifted_cholesky_inverse(gram1, eye, GRAM_SHIFT, safe)
+    transform = torch.bmm(inv2, inv1).transpose(1, 2)            # x₂ = x₀ T
+    missing = s2 * torch.bmm(inv2, inv2.transpose(1, 2))
+    missing = torch.bmm(missing, missing)
+    fills = [fixed_basis(x.shape[1], r, device) for x in xs]
+    h = HOST_PRODUCT_DTYPE
+    with _host_ieee_matmul():
+        for i, (x, c, t, w, f) in enumerate(zip(xs, scale.to(h).split(counts),
+                                                transform.to(h).split(counts),
+                                                missing.to(h).split(counts), fills)):
+            # 3. the missing directions filled: x₃ = x₀ T + F W
+            xs[i] = torch.baddbmm(torch.matmul(f.to(h), w), x.to(h) * c.unsqueeze(1), t)
+        gram3 = torch.cat([_gram(x) for x in xs])
+        inv3, _, failed3 = _shifted_cholesky_inverse(gram3, eye, 0.0, safe)   # 4.
+        inv3t = inv3.transpose(1, 2).to(h)
+        hats = [torch.bmm(x, t).float() for x, t in zip(xs, inv3t.split(counts))]
+    pivots = inv3.diagonal(dim1=1, dim2=2).square().reciprocal()
+    deficient = pivots.amin(dim=1) < FILL_DEFICIENT * gram3.diagonal(dim1=1, dim2=2).amax(dim=1)
+    factors = torch.cat([transform, missing, inv3], dim=2)
+    failed = failed1 | failed2 | failed3 | deficient | \
+        torch.isfinite(factors).all(dim=(1, 2)).logical_not()
+    failed = given & failed
+    hats = [torch.where(bad.view(-1, 1, 1), f, x)   # 5. a fixed basis where one failed
+            for x, bad, f in zip(hats, failed.split(counts), fills)]
+    return hats, list(failed.split(counts))

@@ -16,11 +16,11 @@ from typing import Sequence
 
 import torch
 
-from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, copy_dense_back,
-                                               factor_failure, split_factors)
+from megatron_edgc.compression.kernels import (ShapeGroup, Step, WireLayout, all_finite,
+                                               copy_dense_back, factor_failure, split_factors)
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.matrices import seeded_gaussian
-from megatron_edgc.compression.orthonormal import orthonormalize
+from megatron_edgc.compression.orthonormal import orthonormalize, orthonormalize_step
 
 
 class BucketCompressor(LowRankState):
@@ -94,8 +94,8 @@ class BucketCompressor(LowRankState):
         shapes = [(len(g.indices), g.n, self._rank_for(g))
                   for g in self.groups.values()]
         stood_in: list = []
-        for key, p in zip(self.groups, split_factors(p_buf, shapes)):
-            step.p_hat[key] = self.orthonormalize(p, stood_in=stood_in)
+        hats = orthonormalize_step(split_factors(p_buf, shapes), stood_in, self.orthonormalize)
+        step.p_hat.update(zip(self.groups, hats))
         hats = list(step.p_hat.values())
         step.factor_failure = factor_failure(p_buf[:first.factors], hats, stood_in)
         wire = self._take_residuals(step, step.nonfinite, True)
@@ -113,5 +113,5 @@ class BucketCompressor(LowRankState):
         ``E = M``)."""
         _, second = self.layouts()
         q_buf, _, _ = second.unpack(reduced)
-        step.nonfinite = step.nonfinite | torch.isfinite(q_buf).all().logical_not()
+        step.nonfinite = step.nonfinite | all_finite(q_buf).logical_not()
         self._write_results(step, q_buf, step.nonfinite, True)

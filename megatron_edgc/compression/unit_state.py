@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from megatron_edgc.compression.kernels import ErrorFeedback, ShapeGroup, resized_warm_start
+from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, all_finite,
+                                               resized_warm_start)
 
 
 def from_before_issue_71(state: dict, name: str = "") -> dict:
@@ -92,7 +93,7 @@ class UnitState:
         """The message's per-matrix rule, applied in the pass that takes ``E``: a matrix
         keeps its ``E`` and ``Q`` where what the step received is not finite
         (``nonfinite``) or its own factor as ``sent`` is not; ``out``: bool ``[k, 1, 1]``."""
-        finite = torch.isfinite(sent).view(sent.shape[0], -1).all(1).view(-1, 1, 1)
+        finite = all_finite(sent.reshape(sent.shape[0], -1), dim=1).view(-1, 1, 1)
         torch.logical_or(finite.logical_not(), nonfinite.view(1, 1, 1), out=out)
 
     def store(self, g: ShapeGroup, lo: int, hi: int, taken: torch.Tensor,
