@@ -258,12 +258,7 @@ def test_the_method_by_device_and_the_gpu_keeps_the_tested_one():
     assert seen == [(2, 64, 8), (1, 32, 8)]
 
 
-HOST_SHAPES = [pytest.param(n, r, id=f"{n}x{r}",
-                            marks=() if (n, r) in TF32_CI else pytest.mark.extended)
-               for n, r in SHAPES]
-
-
-@pytest.mark.parametrize("n,r", HOST_SHAPES)
+@pytest.mark.parametrize("n,r", TF32_SHAPES)   # the same shapes in CI and extended
 def test_the_hosts_batched_method_meets_the_bound_on_every_kind_of_p(n, r):
     """The host's method (:func:`orthonormalize_batched`: fp64 Grams, IEEE fp32 products,
     every factor of a rank in one chain of ``[r, r]`` calls) on the same adversarial
