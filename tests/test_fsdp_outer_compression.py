@@ -15,7 +15,7 @@ Tolerances, and why:
   momentum: each update is the gradient to within ``|g| / eps``; the distributed
   optimizer takes nothing but Adam), so they differ by what the gradients do: asserted
   1e-5 (measured 1.2e-7 .. 2.1e-7; the weights moved 0.15). Adam proper amplifies any
-  rounding where a gradient nearly cancels (``m / sqrt(v)``): 1.3e-3 measured at full
+  rounding where a gradient nearly cancels (``m / sqrt(v)``): 1.3e-3 measured after 4 steps at full
   rank, which tells nothing, so it is not asserted.
 * low rank (16): bytes exact, from the shapes (:func:`expected_outer`); the loss a sanity
   check only: 8 steps of a learnable toy stream at Adam's lr 1e-2, where dense itself
