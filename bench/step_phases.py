@@ -47,21 +47,31 @@ def _isfinite_all(x, dim=None):
     return torch.isfinite(x).all() if dim is None else torch.isfinite(x).all(dim)
 
 
+def _where(keep, a, b, out=None):
+    return torch.where(keep, a, b) if out is None else torch.where(keep, a, b, out=out)
+
+
 @contextlib.contextmanager
 def issue_93_undone():
-    """The finiteness tests of before issue 93 (``isfinite``'s three elementwise passes)
-    in every module of the step that tests one."""
-    from megatron_edgc.compression import kernels, powersgd, unit_state
+    """The step's host kernels of before issue 93 in every module of the step that calls
+    them: finiteness by ``isfinite``'s three elementwise passes, selections by
+    ``torch.where`` itself (not :func:`~megatron_edgc.compression.kernels.select`'s
+    16-byte view), the dense rest one call per tensor (not per
+    :func:`~megatron_edgc.compression.kernels.flat_runs` run)."""
+    from megatron_edgc.compression import kernels, low_rank_state, orthonormal, powersgd, \
+        unit_state
 
-    modules = (kernels, powersgd, unit_state)
-    saved = [m.all_finite for m in modules]
-    for m in modules:
-        m.all_finite = _isfinite_all
+    patches = [(m, "all_finite", _isfinite_all) for m in (kernels, powersgd, unit_state)] + \
+        [(m, "select", _where) for m in (kernels, orthonormal, unit_state)] + \
+        [(m, "flat_runs", list) for m in (kernels, low_rank_state)]
+    saved = [getattr(m, name) for m, name, _ in patches]
+    for m, name, fn in patches:
+        setattr(m, name, fn)
     try:
         yield
     finally:
-        for m, fn in zip(modules, saved):
-            m.all_finite = fn
+        for (m, name, _), fn in zip(patches, saved):
+            setattr(m, name, fn)
 
 
 #: ``before``: the step of before issue 33; ``fp32-gram``: today's step with the

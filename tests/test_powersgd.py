@@ -776,3 +776,56 @@ def test_all_finite_is_exact_in_every_dtype_and_position():
                     assert all_finite(x, dim=1).tolist() == [True, False, True]
     assert all_finite(torch.empty(0)) and all_finite(torch.empty(2, 0), dim=1).tolist() == \
         [True, True]
+
+
+def test_select_is_torch_where_bit_for_bit():
+    """Issue 93 item 2, second round: :func:`kernels.select`, the residual's and the warm
+    start's selection by a per-matrix flag, gives ``torch.where``'s bits (it reads 16-byte
+    elements on the host where the layout allows): every fp32 bit pattern (NaN payloads,
+    signalling NaNs, infinities, -0, subnormals), in place and not, a broadcast operand,
+    strided runs of a flat buffer, bf16, and the layouts it leaves to ``torch.where``."""
+    from megatron_edgc.compression import kernels
+    from megatron_edgc.compression.kernels import select
+
+    gen = torch.Generator().manual_seed(932)
+
+    def bits(shape, dtype=torch.float32):
+        wide = torch.int32 if dtype == torch.float32 else torch.int16
+        info = torch.iinfo(wide)
+        x = torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64)
+        x = x.to(wide)
+        flat = x.view(-1)
+        specials = [0x7FC00001, 0x7F800001, 0xFF800000 - 2**32, 0x7F800000, 0x80000000 - 2**32, 1] \
+            if wide == torch.int32 else [0x7FC1, 0x7F81, 0x7F80, 0x8000 - 2**16, 1]
+        flat[:len(specials)] = torch.tensor(specials, dtype=wide)
+        return x.view(dtype), wide
+
+    def same(a, b, wide):
+        assert a.shape == b.shape and torch.equal(a.view(wide), b.view(wide))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((4, 16, 32), (3, 5, 7), (2, 8, 12)):
+            a, wide = bits(shape, dtype)
+            b, _ = bits(shape, dtype)
+            keep = torch.tensor([True, False, True, False][:shape[0]]).view(-1, 1, 1)
+            same(select(keep, a, b), torch.where(keep, a, b), wide)
+            out = b.clone()
+            assert select(keep, a, out, out=out) is out
+            same(out, torch.where(keep, a, b), wide)
+            f, _ = bits(shape[1:], dtype)     # a fixed basis broadcast over the matrices
+            same(select(keep, f, b), torch.where(keep, f, b), wide)
+    # strided runs of one flat buffer (matrices equally spaced, a bias between them)
+    buf, wide = bits((3 * (64 * 32 + 32),))
+    run = buf.as_strided((3, 64, 32), (64 * 32 + 32, 32, 1))
+    assert kernels._as_wide(run) is not None
+    old, _ = bits((3, 64, 32))
+    keep = torch.tensor([False, True, False]).view(-1, 1, 1)
+    expect = torch.where(keep, old, run)
+    target = old.clone()
+    select(keep, target, run, out=target)
+    same(target, expect, wide)
+    # layouts a 16-byte view cannot read: an odd offset, an odd width
+    assert kernels._as_wide(buf[1:1 + 64 * 32].view(64, 32)) is None
+    assert kernels._as_wide(torch.zeros(4, 6)) is None
+    odd, _ = bits((2, 4, 6))
+    same(select(keep[:2], odd, odd.flip(0)), torch.where(keep[:2], odd, odd.flip(0)), wide)

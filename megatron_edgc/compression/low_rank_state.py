@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_edgc.compression.kernels import (ErrorFeedback, ShapeGroup, Step, dtype_bytes,
-                                               split_factors, to_device)
+                                               flat_runs, split_factors, to_device)
 from megatron_edgc.compression.matrices import is_compressible
 from megatron_edgc.compression.unit_state import UnitState
 
@@ -245,11 +245,10 @@ class LowRankState:
     def _dense_parts(self, grads: Sequence[torch.Tensor]) -> list:
         """The uncompressed gradients, flat in the dense wire dtype, a matrix's pending
         residual carried once it fell back to dense (kept until the step is applied)."""
-        parts = []
         for i in self.dense_indices:
             self._carry_pending(i, grads[i])
-            parts.append(grads[i].reshape(-1).to(self.dense_dtype))
-        return parts
+        return [(run if run.dim() == 1 else run.reshape(-1)).to(self.dense_dtype)
+                for run in flat_runs([grads[i] for i in self.dense_indices])]
 
     def _carry_pending(self, i: int, grad: torch.Tensor, scale: float = 1.0) -> None:
         """A matrix's pending residual added into its gradient in this step's units

@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_edgc.compression.kernels import select
+
 #: The working dtype of the orthonormalization. In fp32 the Gram ``xᵀx`` of ``n`` rows is
 #: off by up to ``r γ_n`` of its norm, which no shift can absorb at the widths users train
 #: (:func:`cholesky_safe_shift` is 4.0 at ``n = 50304, r = 256``): GPT-2 medium's factors
@@ -341,6 +343,6 @@ def _cholesky_qr3_batched(ps: list, r: int) -> tuple:
     failed = failed1 | failed2 | failed3 | deficient | \
         torch.isfinite(factors).all(dim=(1, 2)).logical_not()
     failed = given & failed
-    hats = [torch.where(bad.view(-1, 1, 1), f, x)   # 5. a fixed basis where one failed
+    hats = [select(bad.view(-1, 1, 1), f, x)   # 5. a fixed basis where one failed
             for x, bad, f in zip(hats, failed.split(counts), fills)]
     return hats, list(failed.split(counts))
