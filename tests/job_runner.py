@@ -93,6 +93,10 @@ def main() -> int:
             syncs = count_host_syncs(trainer) if count_syncs else []
             capture = inject_overflow(trainer, overflow_at) if overflow_at is not None else []
             summary = trainer.run()
+            if cfg.parallel.use_megatron_fsdp:   # no DDP buckets: the weights it holds
+                torch.save(fsdp_result(trainer, summary), os.path.join(out_dir,
+                                                                       f"rank{rank}.pt"))
+                return 0
             params = {f"{i}.{name}": p.detach().clone()
                       for i, chunk in enumerate(trainer.bundle.chunks)
                       for name, p in chunk.named_parameters()}
@@ -140,6 +144,25 @@ def main() -> int:
             shutdown_worker()
 
     return spawn_local(target, cfg.parallel.world_size)
+
+
+def fsdp_result(trainer, summary) -> dict:
+    """A Megatron-FSDP run's result: its coordinates (the inner rank: this rank's shard),
+    the local pieces of its optimizer's main weights by name, the summary and the outer-hop
+    compression's state."""
+    from megatron.core import parallel_state
+
+    buffer = trainer.bundle.chunks[0].param_and_grad_buffer
+    params = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+              for name, p in buffer.optimizer_named_parameters}
+    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "inner_dp": parallel_state.get_data_parallel_rank(with_context_parallel=True,
+                                                        partial_data_parallel=True),
+            "params": params, "summary": summary,
+            "compression": trainer.dp_compression.state_dict()
+            if trainer.dp_compression is not None else None}
 
 
 def poison_grad_before_finalize(trainer, at: int) -> None:

@@ -140,6 +140,7 @@ def check_run_layout(cfg: "RunConfig") -> None:
         raise ConfigError("--num-experts", f"must be divisible by "
                                            f"--expert-model-parallel-size ({ep}); got "
                                            f"{m.num_experts}")
+    check_megatron_fsdp(cfg)
     instances = p.num_distributed_optimizer_instances
     if instances > 1 and not p.use_distributed_optimizer:
         raise ConfigError("--num-distributed-optimizer-instances",
@@ -168,3 +169,106 @@ def check_run_layout(cfg: "RunConfig") -> None:
                                                    "by measured speed: set it)")
     if p.overlap_grad_reduce and p.bucket_size is not None and p.bucket_size < 1:
         raise ConfigError("--bucket-size", "must be >= 1")
+
+
+#: Megatron-FSDP's inner sharding strategies the trainer runs (and the outer-hop
+#: compression reads): :data:`megatron_edgc.patches.fsdp_outer.INNER_STRATEGIES`.
+FSDP_INNER_STRATEGIES = ("no_shard", "optim_grads_params")
+
+
+def check_megatron_fsdp(cfg: "RunConfig") -> None:
+    """``--use-megatron-fsdp``: the trainer runs Megatron-FSDP as HSDP only, in the form
+    tested on CPU (docs/megatron-fsdp-cpu.md), and compresses its outer hop with
+    :class:`~megatron_edgc.patches.fsdp_outer.FSDPOuterCompression`; what that class refuses
+    and what no test ran is refused here by name, before any process group."""
+    import torch
+
+    m, p, t, e, ck = cfg.model, cfg.parallel, cfg.training, cfg.edgc, cfg.checkpoint
+    if not p.use_megatron_fsdp:
+        for flag, value in (("--data-parallel-sharding-strategy",
+                             p.data_parallel_sharding_strategy),
+                            ("--outer-dp-sharding-strategy", p.outer_dp_sharding_strategy)):
+            if value != "no_shard":
+                raise ConfigError(flag, f"is Megatron-FSDP's: needs --use-megatron-fsdp "
+                                        f"(got {value})")
+        return
+    inner = p.data_parallel_sharding_strategy
+    if inner not in FSDP_INNER_STRATEGIES:
+        raise ConfigError("--data-parallel-sharding-strategy",
+                          f"{inner}: not yet (no test ran it, and the outer-hop compression "
+                          f"reads only the buffer layouts of "
+                          f"{' and '.join(FSDP_INNER_STRATEGIES)}); allowed: "
+                          f"{', '.join(FSDP_INNER_STRATEGIES)}")
+    if p.outer_dp_sharding_strategy != "no_shard":
+        raise ConfigError("--outer-dp-sharding-strategy",
+                          f"{p.outer_dp_sharding_strategy}: not yet (the outer hop EDGC "
+                          f"compresses is no_shard's all-reduce across instances); allowed: "
+                          f"no_shard")
+    instances, dp = p.num_distributed_optimizer_instances, p.data_parallel_size
+    if instances < 2:
+        raise ConfigError("--num-distributed-optimizer-instances",
+                          f"with --use-megatron-fsdp the trainer runs HSDP only: needs >= 2 "
+                          f"instances dividing the DP size ({dp}); got {instances} (plain "
+                          f"FSDP: not yet)")
+    if dp % instances:
+        raise ConfigError("--num-distributed-optimizer-instances",
+                          f"must divide the DP size ({dp}); got {instances}")
+    if not p.use_distributed_optimizer:
+        raise ConfigError("--use-megatron-fsdp", "needs --use-distributed-optimizer "
+                                                 "(megatron-core's optimizer over "
+                                                 "Megatron-FSDP's sharded main weights)")
+    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
+        raise ConfigError("--use-megatron-fsdp",
+                          f"not yet with TP {p.tensor_model_parallel_size} x PP "
+                          f"{p.pipeline_model_parallel_size} (tested: TP1 PP1, DP only)")
+    if not p.overlap_grad_reduce:
+        raise ConfigError("--overlap-grad-reduce",
+                          "Megatron-FSDP needs it on here: its synchronous path "
+                          "(all_reduce_gradients) is not the pipeline the outer hop's "
+                          "compression wraps, and in megatron-core 0.16.1 it skips every "
+                          "buffer; pass --overlap-grad-reduce")
+    if m.num_experts is not None:
+        raise ConfigError("--num-experts", "not yet with --use-megatron-fsdp (expert "
+                                           "parameters reduce over their own data-parallel "
+                                           "group, which the outer-hop compression refuses)")
+    if t.fp16:
+        raise ConfigError("--fp16", "not yet with --use-megatron-fsdp (no test ran "
+                                    "Megatron-FSDP with fp16's loss scaler); allowed: fp32 "
+                                    "(--no-bf16)")
+    if t.bf16 is not False:
+        raise ConfigError("--bf16", f"{'set' if t.bf16 else 'unset (bf16 on CUDA; timed on a CPU)'}"
+                                    f": not yet with --use-megatron-fsdp (no test ran "
+                                    f"Megatron-FSDP with bf16 parameters); allowed: fp32, "
+                                    f"pass --no-bf16")
+    if e.mode == "edgc":
+        raise ConfigError("--edgc-mode", "edgc: not yet with --use-megatron-fsdp (EDGC's "
+                                         "controller sets ranks per matrix shape, reads the "
+                                         "spectrum and the budget through the DDP patch; the "
+                                         "outer-hop compression takes one static rank); "
+                                         "allowed: off, static")
+    if e.mode == "static":
+        if e.bypass != "off":
+            raise ConfigError("--edgc-bypass", f"{e.bypass}: not yet with --use-megatron-fsdp "
+                                               f"(the outer hop has no link model: every "
+                                               f"bucket compresses); allowed: off")
+        if e.dense_wire != "grad":
+            raise ConfigError("--edgc-dense-wire", f"{e.dense_wire}: not yet with "
+                                                   f"--use-megatron-fsdp (the outer hop's "
+                                                   f"dense rest travels in the gradient "
+                                                   f"buffer's dtype); allowed: grad")
+        for flag, value in (("--edgc-link-gbps", e.link_gbps),
+                            ("--edgc-debug-dump", e.debug_dump)):
+            if value is not None:
+                raise ConfigError(flag, "not yet with --use-megatron-fsdp")
+        if e.check_replicas:
+            raise ConfigError("--edgc-check-replicas", "not yet with --use-megatron-fsdp "
+                                                       "(the digest reads DDP's buckets)")
+    for flag, value in (("--save", ck.save), ("--load", ck.load)):
+        if value is not None:
+            why = ("Megatron-FSDP's own checkpoint (fsdp_dtensor) gathers uneven shards, "
+                   "which gloo's all-gather refuses (docs/megatron-fsdp-cpu.md)"
+                   if not torch.cuda.is_available() else
+                   "the trainer's checkpoint is written for DDP's buffers and Megatron-FSDP's "
+                   "own (fsdp_dtensor) is not wired")
+            raise ConfigError(flag, f"not yet with --use-megatron-fsdp: {why}; train "
+                                    f"without --save/--load")

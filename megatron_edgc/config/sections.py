@@ -69,6 +69,24 @@ class ParallelConfig:
         1, "Megatron's partial distributed optimizer: DP split into this many instances; "
            "gradients are reduce-scattered inside an instance (the fast hop) and each shard "
            "all-reduced across instances (the slow hop, the one EDGC compresses)", min=1)
+    use_megatron_fsdp: bool = knob(
+        False, "Megatron-FSDP (megatron-core's distributed/fsdp) in place of DDP, as "
+               "Megatron-LM's --use-megatron-fsdp; here as HSDP only: DP split into "
+               "--num-distributed-optimizer-instances (>= 2) instances, sharded inside one "
+               "by --data-parallel-sharding-strategy, the gradients all-reduced across them "
+               "(--outer-dp-sharding-strategy no_shard: the outer hop, the one EDGC "
+               "compresses); fp32, TP1 PP1, --overlap-grad-reduce, no checkpoints yet "
+               "(docs/megatron-fsdp-cpu.md)")
+    data_parallel_sharding_strategy: str = knob(
+        "no_shard", "Megatron-FSDP: what is sharded inside an instance, as Megatron-LM's flag: "
+                    "no_shard (DDP-like: gradients all-reduced), optim_grads_params "
+                    "(ZeRO-3: parameters, gradients and optimizer state); optim and "
+                    "optim_grads are refused (not yet tested)",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    outer_dp_sharding_strategy: str = knob(
+        "no_shard", "Megatron-FSDP HSDP: what is sharded across instances: no_shard (the "
+                    "outer hop an all-reduce of each rank's gradient buffer); optim is "
+                    "refused (not yet)", choices=("no_shard", "optim"))
     overlap_grad_reduce: bool = knob(False, "launch each DP bucket's reduction during backward")
     use_distributed_optimizer: bool = knob(False, "shard optimizer state over DP (ZeRO-1)")
     bucket_size: Optional[int] = knob(None, "DDP bucket size in elements (default: Megatron's)",

@@ -198,6 +198,29 @@ class OuterBucketPlan:
         return step.flags()
 
 
+def megatron_fsdp_sync_bytes(model, num_microbatches: int) -> tuple:
+    """``(inner, outer)``: the bytes one rank places into Megatron-FSDP's own gradient
+    reduction of ``model`` (the adapter or its ``MegatronFSDP``) per step, inside the
+    instance and across instances (0.16.x, docs/megatron-fsdp-cpu.md): inner ``no_shard``
+    all-reduces each whole bucket once (on the last micro-batch); ``optim_grads_params``
+    reduce-scatters it on every micro-batch; the outer hop all-reduces the buffer the rank
+    holds (the bucket, or its shard) once."""
+    fsdp = model if hasattr(model, "grad_reduce_pipeline") else model.module
+    buffer = fsdp.param_and_grad_buffer
+    inner = outer = 0
+    for group in buffer.parameter_groups:
+        gbuf = group.main_grad_buffer
+        if gbuf is None:
+            continue
+        size = gbuf.data.element_size()
+        whole = gbuf.bucket_index.size * size
+        inner += whole * (num_microbatches if gbuf.is_data_distributed else 1)
+        outer += gbuf.data.numel() * size
+    if buffer.dist_index.get_outer_fsdp_group() is None:
+        outer = 0
+    return inner, outer
+
+
 class FSDPOuterCompression:
     """PowerSGD with error feedback on the outer hop of one Megatron-FSDP model (module
     docstring). ``model``: megatron-core's ``FullyShardedDataParallel`` (the adapter) or
@@ -314,6 +337,12 @@ class FSDPOuterCompression:
         (:meth:`~megatron_edgc.compression.unit_state.UnitState.settle`)."""
         for plan in self.plans.values():
             plan.compressor.after_step(applied)
+
+    def observe_link(self, stats: list) -> None:
+        """The DP patch's link refit (its bypass): none here (no bypass on the outer hop)."""
+
+    def observe_failures(self, stats: list, iteration: int) -> None:
+        """The DP patch's dense fallback: none here (not yet)."""
 
     # ------------------------------------------------------------------ state
 

@@ -63,11 +63,13 @@ class NonFiniteWeights(RuntimeError):
     it: the finding is all-reduced)."""
 
 
-def check_weights_finite(chunks, when: str) -> None:
+def check_weights_finite(chunks, when: str, params=None) -> None:
     """Raise :class:`NonFiniteWeights` on every rank if any rank holds a non-finite
-    parameter. A collective over the job, with one read: at the end of training and
-    before a checkpoint, never per step."""
-    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    parameter (of ``chunks``, or the tensors ``params`` where given). A collective over
+    the job, with one read: at the end of training and before a checkpoint, never per
+    step."""
+    if params is None:
+        params = [p.detach() for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else compute_device()
     bad = torch.zeros(2, dtype=torch.float64, device=device)   # [any non-finite, its rank]
     for p in params:

@@ -69,7 +69,12 @@ class EdgcRuntime:
         self.iteration = 0
         self._pending: list = []   # _TakenStep of each step since the last flush
         self.dp_compression = self.edgc = self.p2p = None
-        if e.mode != "off":
+        fsdp = cfg.parallel.use_megatron_fsdp
+        if e.mode != "off" and fsdp:
+            self.dp_compression = self._fsdp_compression(cfg, chunks, device)
+            register_rank_state("dp_compression", self.dp_compression.state_dict,
+                                self.dp_compression.load_state_dict)
+        elif e.mode != "off":
             ef_dtype, ef_note = self._ef_dtype(e.ef_dtype, chunks, device)
             self.dp_compression = DPGradientCompression(
                 chunks, dp_group, rank=e.rank, min_compression_rate=e.min_compression_rate,
@@ -114,13 +119,25 @@ class EdgcRuntime:
             register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                 dp_invariant=True)
         # megatron-core's own sync: MoE's expert buckets and the slow hop apart
-        dense = [megatron_sync_bytes(g) for c in chunks for g in c.bucket_groups]
-        expert = [megatron_sync_bytes(g) for c in chunks
-                  for g in c.expert_parallel_bucket_groups]
-        self.dense_expert_bytes = sum(total for total, _ in expert)
-        self.dense_dp_bytes = self.dense_expert_bytes + sum(total for total, _ in dense)
-        self.dense_slow_hop_bytes = sum(slow for _, slow in dense + expert)
-        self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
+        #: Megatron-FSDP: its reduction inside the instance, which the outer-hop compression
+        #: leaves as it is (added to the compression's counts, which hold the outer hop)
+        self.fsdp_inner_bytes = 0
+        if fsdp:
+            from megatron_edgc.patches.fsdp_outer import megatron_fsdp_sync_bytes
+
+            pairs = [megatron_fsdp_sync_bytes(c, num_microbatches) for c in chunks]
+            self.fsdp_inner_bytes = sum(inner for inner, _ in pairs)
+            self.dense_expert_bytes, self.has_experts = 0, False
+            self.dense_slow_hop_bytes = sum(outer for _, outer in pairs)
+            self.dense_dp_bytes = self.fsdp_inner_bytes + self.dense_slow_hop_bytes
+        else:
+            dense = [megatron_sync_bytes(g) for c in chunks for g in c.bucket_groups]
+            expert = [megatron_sync_bytes(g) for c in chunks
+                      for g in c.expert_parallel_bucket_groups]
+            self.dense_expert_bytes = sum(total for total, _ in expert)
+            self.dense_dp_bytes = self.dense_expert_bytes + sum(total for total, _ in dense)
+            self.dense_slow_hop_bytes = sum(slow for _, slow in dense + expert)
+            self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
         self.slow_hop = cfg.parallel.num_distributed_optimizer_instances > 1
         # the controller's entropy sums ride along (GDS's per-stage means need no
         # collective of their own)
@@ -134,6 +151,40 @@ class EdgcRuntime:
         #: how often the loss scale changed (a device count, read at the summary)
         self.loss_scale_changes: Optional[torch.Tensor] = None
 
+    def _fsdp_compression(self, cfg, chunks, device: torch.device):
+        """Megatron-FSDP (HSDP): PowerSGD on the outer hop at the static rank
+        (:class:`~megatron_edgc.patches.fsdp_outer.FSDPOuterCompression`; the config's
+        rules refuse what it does not do: EDGC's controller, the bypass, the bf16 dense
+        wire). Not here yet: the dense fallback (``--edgc-fallback-iters``)."""
+        from megatron_edgc.patches.fsdp_outer import FSDPOuterCompression
+
+        e = cfg.edgc
+        ef_dtype, ef_note = self._ef_dtype(e.ef_dtype, chunks, device)
+        comp = FSDPOuterCompression(
+            chunks[0], rank=e.rank, start_iter=e.start_iter, seed=cfg.training.seed,
+            min_compression_rate=e.min_compression_rate,
+            factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype)
+        p = cfg.parallel
+        self.log(f"EDGC: error-feedback state {comp.state_bytes() / 2**20:.1f} MiB per rank "
+                 f"at rank {e.rank} ({ef_note} residual, {e.factor_dtype} factors); "
+                 f"Megatron-FSDP HSDP ({p.data_parallel_sharding_strategy} inside "
+                 f"{p.num_distributed_optimizer_instances} instances): compressing the outer "
+                 f"hop only, {len(comp.plans)} buckets (no dense fallback yet)")
+        return comp
+
+    @staticmethod
+    def _grad_dtypes(chunks) -> list:
+        """The dtypes of the gradient buffers of ``chunks`` (DDP's, or Megatron-FSDP's)."""
+        out = []
+        for c in chunks:
+            buffer = getattr(c, "param_and_grad_buffer", None)
+            if buffer is not None and hasattr(buffer, "parameter_groups"):
+                out += [g.main_grad_buffer.data.dtype for g in buffer.parameter_groups
+                        if g.main_grad_buffer is not None]
+            else:
+                out += [b.grad_data.dtype for b in c.buffers]
+        return out
+
     @staticmethod
     def _ef_dtype(setting: str, chunks, device: torch.device) -> tuple:
         """``(dtype, how the log names it)`` of the error-feedback residual: the flag's, or
@@ -142,7 +193,7 @@ class EdgcRuntime:
         if setting != "auto":
             return FACTOR_DTYPES[setting], setting
         shapes = [tuple(p.shape) for c in chunks for p in c.module.parameters() if p.dim() == 2]
-        grad_dtype = next((b.grad_data.dtype for c in chunks for b in c.buffers), torch.float32)
+        grad_dtype = next(iter(EdgcRuntime._grad_dtypes(chunks)), torch.float32)
 
         def agree(times: torch.Tensor) -> torch.Tensor:
             times = times.to(device)
@@ -312,9 +363,10 @@ class EdgcRuntime:
     def _counters(self, step: "_TakenStep") -> JobCounters:
         """This rank's byte counters of ``step`` (megatron-core's own without compression)."""
         st, pps = step.dp, step.pp
+        inner = self.fsdp_inner_bytes   # Megatron-FSDP's reduction inside the instance
         return JobCounters(
-            dp_bytes_sent=st.bytes_sent if st else self.dense_dp_bytes,
-            dp_bytes_dense=st.bytes_dense if st else self.dense_dp_bytes,
+            dp_bytes_sent=st.bytes_sent + inner if st else self.dense_dp_bytes,
+            dp_bytes_dense=st.bytes_dense + inner if st else self.dense_dp_bytes,
             pp_bytes_sent=pps.bytes_sent if pps else 0,
             pp_bytes_dense=pps.bytes_dense if pps else 0,
             dp_expert_bytes_sent=st.expert_bytes_sent if st else self.dense_expert_bytes,

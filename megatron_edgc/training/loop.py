@@ -327,13 +327,15 @@ class Trainer:
                 if logs and self.is_logger:
                     print(format_progress_line(it, t.train_iters, history[-1]), flush=True)
                 if saves:
-                    check_weights_finite(self.bundle.chunks, f"at iteration {it}")
+                    check_weights_finite(self.bundle.chunks, f"at iteration {it}",
+                                         self.bundle.weights())
                     ckpt.save_checkpoint(ck.save, it, self.bundle, cfg)
                 if exits:
                     log_rank0(f"exiting at iteration {it} (--exit-interval)")
                     break
             last_saved = ck.save_interval and self.iteration % ck.save_interval == 0
-            check_weights_finite(self.bundle.chunks, f"at the end (iteration {self.iteration})")
+            check_weights_finite(self.bundle.chunks, f"at the end (iteration {self.iteration})",
+                                 self.bundle.weights())
             if ck.save and not last_saved:
                 ckpt.save_checkpoint(ck.save, self.iteration, self.bundle, cfg)
         finally:

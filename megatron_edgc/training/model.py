@@ -121,10 +121,50 @@ def transformer_config(cfg, bf16: bool, on_gpu: bool, fp16: bool = False) -> Tra
 
 @dataclass
 class ModelBundle:
-    chunks: list  # DDP-wrapped model chunks (one per virtual stage)
+    chunks: list  # DDP- (or Megatron-FSDP-) wrapped model chunks (one per virtual stage)
     optimizer: object
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
+
+    def weights(self) -> list:
+        """The weights this rank holds, as plain tensors: each chunk's parameters, or under
+        Megatron-FSDP the local pieces of its optimizer's main weights (the module's own
+        parameters are views of all-gather buckets freed between steps)."""
+        out = []
+        for chunk in self.chunks:
+            buffer = getattr(chunk, "param_and_grad_buffer", None)
+            if buffer is not None and hasattr(buffer, "optimizer_named_parameters"):
+                out += [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                        for _, p in buffer.optimizer_named_parameters]
+            else:
+                out += [p.detach() for p in chunk.parameters()]
+        return out
+
+
+def megatron_fsdp(cfg, tconf: TransformerConfig, module, on_gpu: bool):
+    """``module`` under megatron-core's Megatron-FSDP in HSDP mode (the calls
+    ``tests/fsdp_hsdp_probe.py`` makes; the config's rules admit only this form: fp32,
+    distributed optimizer, overlap on, outer ``no_shard``). On CPU: gloo lacks NCCL's
+    premul-sum (``gradient_reduce_div_fusion`` off) and user-buffer registration
+    (``nccl_ub`` off), and the Megatron-FSDP CPU shims go on first."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    p = cfg.parallel
+    if not on_gpu:
+        from megatron_edgc.patches.fsdp_cpu import apply_fsdp_cpu_shims
+
+        apply_fsdp_cpu_shims()
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True, use_distributed_optimizer=True,
+        data_parallel_sharding_strategy=p.data_parallel_sharding_strategy,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        outer_dp_sharding_strategy=p.outer_dp_sharding_strategy,
+        overlap_grad_reduce=True, overlap_param_gather=True,
+        gradient_reduce_div_fusion=on_gpu, nccl_ub=False, average_in_collective=False,
+        grad_reduce_in_fp32=True, bucket_size=p.bucket_size)
+    kwargs = {} if on_gpu else dict(device=torch.device("cpu"))
+    return FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=module,
+                                    **kwargs)
 
 
 def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: bool) -> ModelBundle:
@@ -159,17 +199,20 @@ def build_model_and_optimizer(cfg, padded_vocab_size: int, bf16: bool, on_gpu: b
             model = Float16Module(tconf, model)
         chunks.append(model)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=(bf16 and not t.grad_reduce_in_bf16) or
-        cfg.fp16_grads_in_fp32,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size=cfg.parallel.bucket_size,
-        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
-    )
-    chunks = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=chunk,
-                                      disable_bucketing=i > 0)
-              for i, chunk in enumerate(chunks)]
+    if cfg.parallel.use_megatron_fsdp:
+        chunks = [megatron_fsdp(cfg, tconf, chunk, on_gpu) for chunk in chunks]
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=(bf16 and not t.grad_reduce_in_bf16) or
+            cfg.fp16_grads_in_fp32,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            bucket_size=cfg.parallel.bucket_size,
+            num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
+        )
+        chunks = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=chunk,
+                                          disable_bucketing=i > 0)
+                  for i, chunk in enumerate(chunks)]
 
     opt_config = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
