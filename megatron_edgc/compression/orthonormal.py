@@ -327,12 +327,15 @@ def _cholesky_qr3_batched(ps: list, r: int) -> tuple:
     missing = torch.bmm(missing, missing)
     fills = [fixed_basis(x.shape[1], r, device) for x in xs]
     h = HOST_PRODUCT_DTYPE
+    # x₀ T = (P D) T = P (D T): the scale in the transform's rows, in fp32's range (a row
+    # past it is a column of P below 1e-36 of a unit: a direction P lacks)
+    top = torch.finfo(h).max
+    folded = (scale.unsqueeze(2) * transform).clamp_(-top, top).to(h)
     with _host_ieee_matmul():
-        for i, (x, c, t, w, f) in enumerate(zip(xs, scale.to(h).split(counts),
-                                                transform.to(h).split(counts),
-                                                missing.to(h).split(counts), fills)):
-            # 3. the missing directions filled: x₃ = x₀ T + F W
-            xs[i] = torch.baddbmm(torch.matmul(f.to(h), w), x.to(h) * c.unsqueeze(1), t)
+        for i, (x, t, w, f) in enumerate(zip(xs, folded.split(counts),
+                                             missing.to(h).split(counts), fills)):
+            # 3. the missing directions filled: x₃ = P (D T) + F W
+            xs[i] = torch.baddbmm(torch.matmul(f, w), x.to(h), t)
         gram3 = torch.cat([_gram(x) for x in xs])
         inv3, _, failed3 = _shifted_cholesky_inverse(gram3, eye, 0.0, safe)   # 4.
         inv3t = inv3.transpose(1, 2).to(h)
