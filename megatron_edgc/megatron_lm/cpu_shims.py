@@ -14,6 +14,8 @@ Megatron-LM core_v0.16.1; docs/megatron-lm-seams.md §2 lists them with file:lin
   every process): skipped;
 * the rerun machine and the checkpoint
   read ``torch.cuda.get_rng_state()``: an empty CUDA RNG state (streams: ``apply_cpu_shims``);
+* ``validate_args`` asks the GPU's architecture with ``--use-megatron-fsdp``
+  (``get_device_arch_version``, for Blackwell's stream priorities): none here (0);
 * without Apex or Transformer Engine, resuming a ``torch_dist`` checkpoint with the
   distributed optimizer fails (:mod:`megatron_edgc.patches.torch_adam_resume`, which
   ``edgc.enable()`` also applies, on a GPU too; here for the unmodified script).
@@ -87,8 +89,36 @@ def apply_megatron_lm_cpu_shims(allow_untested: bool = False) -> bool:
     initialize._set_random_seed = _with_one_pretend_device(initialize._set_random_seed)
     initialize._compile_dependencies = _check_dataset_helpers
     training.set_jit_fusion_options = lambda *args, **kwargs: None
+    from megatron.training import arguments
+
+    if hasattr(arguments, "get_device_arch_version"):   # no GPU: no architecture
+        arguments.get_device_arch_version = lambda: 0
     apply_torch_adam_resume_fix()
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     _applied = True
     return True
+
+
+def megatron_fsdp_on_cpu(args) -> None:
+    """``--use-megatron-fsdp`` on CPU processes (the plug-in's ``validate_args`` seam, before
+    any process group): the Megatron-FSDP CPU shims
+    (:func:`~megatron_edgc.patches.fsdp_cpu.apply_fsdp_cpu_shims`) and the settings gloo
+    needs, which Megatron-LM's ``get_model`` copies from ``args`` into the DDP config:
+    ``gradient_reduce_div_fusion`` off (NCCL's premul-sum; set here, as
+    ``--no-gradient-reduce-div-fusion``); NCCL's user-buffer registration (``--use-nccl-ub``)
+    refused by name (docs/megatron-fsdp-cpu.md). Nothing with CUDA present."""
+    from megatron_edgc.config import ConfigError
+    from megatron_edgc.patches.fsdp_cpu import apply_fsdp_cpu_shims
+
+    if torch.cuda.is_available() or not getattr(args, "use_megatron_fsdp", False):
+        return
+    if getattr(args, "nccl_ub", False):
+        raise ConfigError("--use-nccl-ub", "not on CPU processes with --use-megatron-fsdp "
+                                           "(NCCL user-buffer registration)")
+    if getattr(args, "gradient_reduce_div_fusion", False):
+        args.gradient_reduce_div_fusion = False
+        if getattr(args, "rank", 0) == 0:
+            print("EDGC: Megatron-FSDP on CPU: --no-gradient-reduce-div-fusion (its fused "
+                  "division is NCCL's premul-sum)", flush=True)
+    apply_fsdp_cpu_shims()

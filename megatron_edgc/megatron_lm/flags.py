@@ -10,6 +10,7 @@ import dataclasses
 
 from megatron_edgc.config import (ConfigError, EdgcConfig, RunConfig, add_knob_arguments,
                                   check_writable, validate_edgc)
+from megatron_edgc.config.rules import check_megatron_fsdp
 
 #: Checkpoint formats whose iteration directory and ``latest`` pointer the EDGC state
 #: follows (docs/megatron-lm-seams.md §3); ``--async-save`` included.
@@ -75,14 +76,44 @@ def run_config(args) -> RunConfig:
     t.micro_batch_size, t.global_batch_size = args.micro_batch_size, args.global_batch_size
     t.train_iters = args.train_iters or (args.train_samples or 0) // args.global_batch_size
     t.seed = args.seed
+    if getattr(args, "use_megatron_fsdp", False):
+        _megatron_fsdp_values(args, cfg)
     validate_edgc(cfg)  # the trainer's rules; the shapes' rule once the model exists (seams)
     e = cfg.edgc
     if e.mode == "off" and e.pp_compression == "off":
         return cfg
+    if p.use_megatron_fsdp:   # the trainer's rules: HSDP as tested, the rest by name
+        check_megatron_fsdp(cfg)
+        if not getattr(args, "overlap_param_gather", False):
+            raise ConfigError("--overlap-param-gather",
+                              "Megatron-FSDP needs it on here: without it megatron-core "
+                              "0.16.1's start_param_sync gathers every bucket synchronously "
+                              "and fails on inner no_shard (no weight buffer to fetch); pass "
+                              "--overlap-param-gather (the trainer sets it)")
+        for flag, name in (("--ddp-average-in-collective", "ddp_average_in_collective"),
+                           ("--fsdp-double-buffer", "fsdp_double_buffer"),
+                           ("--use-nccl-ub", "nccl_ub")):
+            if getattr(args, name, False):
+                raise ConfigError(flag, "not yet with --use-megatron-fsdp and EDGC on (no "
+                                        "test ran it; the trainer leaves it off)")
     _refuse_unsupported(args)
     if args.edgc_metrics_file:
         check_writable("--edgc-metrics-file", args.edgc_metrics_file, is_file=True)
     return cfg
+
+
+def _megatron_fsdp_values(args, cfg: RunConfig) -> None:
+    """``--use-megatron-fsdp``: what the trainer's Megatron-FSDP rules
+    (:func:`~megatron_edgc.config.rules.check_megatron_fsdp`) and the runtime's outer-hop
+    compression read, from Megatron-LM's ``args``."""
+    p, t, ck = cfg.parallel, cfg.training, cfg.checkpoint
+    p.use_megatron_fsdp = True
+    p.data_parallel_sharding_strategy = getattr(args, "data_parallel_sharding_strategy",
+                                                "no_shard")
+    p.outer_dp_sharding_strategy = getattr(args, "outer_dp_sharding_strategy", "no_shard")
+    cfg.model.num_experts = getattr(args, "num_experts", None)
+    t.fp16, t.bf16 = bool(getattr(args, "fp16", False)), bool(getattr(args, "bf16", False))
+    ck.save, ck.load = args.save, args.load
 
 
 def _refuse_unsupported(args) -> None:
@@ -90,8 +121,9 @@ def _refuse_unsupported(args) -> None:
     def refuse(flag: str, why: str):
         raise ConfigError(flag, f"not supported with EDGC compression on ({why})")
 
-    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        refuse("--use-torch-fsdp2/--use-megatron-fsdp", "the patch compresses DDP's buckets")
+    if getattr(args, "use_torch_fsdp2", False):
+        refuse("--use-torch-fsdp2", "the patch compresses DDP's buckets and Megatron-FSDP's "
+                                    "outer hop (--use-megatron-fsdp)")
     if getattr(args, "moe_grouped_gemm", False) and \
             getattr(args, "transformer_impl", "") != "transformer_engine":
         refuse("--moe-grouped-gemm", "without --transformer-impl transformer_engine Megatron "

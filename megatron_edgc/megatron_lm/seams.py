@@ -66,6 +66,9 @@ def _validate_args(original):
     def validate_args(args, *rest, **kwargs):
         out = original(args, *rest, **kwargs)
         try:
+            from megatron_edgc.megatron_lm.cpu_shims import megatron_fsdp_on_cpu
+
+            megatron_fsdp_on_cpu(args)   # --use-megatron-fsdp without CUDA, any --edgc-mode
             _state.cfg = run_config(args)
             _fp16_grads_in_fp32(args, _state.cfg)
             from megatron_edgc.patches.cpu import check_megatron_version

@@ -63,13 +63,28 @@ class NonFiniteWeights(RuntimeError):
     it: the finding is all-reduced)."""
 
 
+def local_weights(chunks) -> list:
+    """The weights this rank holds, as plain tensors: each chunk's parameters, or under
+    Megatron-FSDP the local pieces of its optimizer's main weights (the module's own
+    parameters are views of all-gather buckets freed between steps)."""
+    out = []
+    for chunk in chunks:
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        if buffer is not None and hasattr(buffer, "optimizer_named_parameters"):
+            out += [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                    for _, p in buffer.optimizer_named_parameters]
+        else:
+            out += [p.detach() for p in chunk.parameters()]
+    return out
+
+
 def check_weights_finite(chunks, when: str, params=None) -> None:
     """Raise :class:`NonFiniteWeights` on every rank if any rank holds a non-finite
-    parameter (of ``chunks``, or the tensors ``params`` where given). A collective over
-    the job, with one read: at the end of training and before a checkpoint, never per
-    step."""
+    parameter (of ``chunks``, :func:`local_weights`, or the tensors ``params`` where
+    given). A collective over the job, with one read: at the end of training and before a
+    checkpoint, never per step."""
     if params is None:
-        params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+        params = local_weights(chunks)
     device = params[0].device if params else compute_device()
     bad = torch.zeros(2, dtype=torch.float64, device=device)   # [any non-finite, its rank]
     for p in params:

@@ -130,15 +130,9 @@ class ModelBundle:
         """The weights this rank holds, as plain tensors: each chunk's parameters, or under
         Megatron-FSDP the local pieces of its optimizer's main weights (the module's own
         parameters are views of all-gather buckets freed between steps)."""
-        out = []
-        for chunk in self.chunks:
-            buffer = getattr(chunk, "param_and_grad_buffer", None)
-            if buffer is not None and hasattr(buffer, "optimizer_named_parameters"):
-                out += [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
-                        for _, p in buffer.optimizer_named_parameters]
-            else:
-                out += [p.detach() for p in chunk.parameters()]
-        return out
+        from megatron_edgc.runtime.frontend import local_weights
+
+        return local_weights(self.chunks)
 
 
 def megatron_fsdp(cfg, tconf: TransformerConfig, module, on_gpu: bool):
