@@ -428,15 +428,25 @@ def test_a_skipped_pipeline_iteration_rolls_the_sender_back():
     assert loose.compressor.state._mark is None and loose.residual.abs().sum() > 0
 
 
+#: Operations that make a new view of a tensor's memory and touch no element.
+VIEWS = frozenset({"view", "detach", "alias", "as_strided", "slice", "select", "narrow",
+                   "expand", "t", "transpose", "permute", "squeeze", "unsqueeze",
+                   "_unsafe_view", "unfold", "diagonal"})
+
+
 class TensorOps(TorchDispatchMode):
-    """The names of the tensor operations run inside it, in order."""
+    """The names of the tensor operations run inside it that read or write elements, in
+    order (views left out: a step may view its operands differently, e.g. ``select``'s
+    16-byte views of an output that is not its input, without touching more memory)."""
 
     def __init__(self):
         super().__init__()
         self.names: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.names.append(name)
         return func(*args, **(kwargs or {}))
 
 
