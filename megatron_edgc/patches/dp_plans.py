@@ -153,24 +153,10 @@ class BucketPlan:
         (:class:`~megatron_edgc.compression.shard_powersgd.ShardCompressor`): the dense
         reduce-scatter inside the instance, ``[L | flag]`` reduce-scattered inside it, the
         slice across, the all-gather inside, then ``[Q_b' | dense | flag]`` across."""
-        comp, r = self.compressor, self.reduction
+        r = self.reduction
         yield from self.fast_hop()
-        bufs, step = comp.start(self.grads())
-        sent = None
-        if bufs:
-            own = bufs[0].new_empty(bufs[0].numel() // r.intra_size)
-            yield Phase([reduce_scatter(own, bufs[0], r.intra)], inline=True)
-            sent = comp.to_send(own)
-        yield Phase([all_reduce(sent, r.process_group, slow_hop=True)] if bufs else [])
-        gathered = []
-        if sent is not None:
-            p_full = sent.new_empty(sent.numel() * r.intra_size)
-            yield Phase([all_gather(p_full, sent, r.intra)], inline=True)
-            gathered = [p_full]
-        bufs = comp.middle(step, gathered)
-        yield Phase([all_reduce(b, r.process_group, slow_hop=True) for b in bufs])
-        comp.finish(step, bufs)
-        return step.flags()
+        return (yield from shard_hop(self.compressor, self.grads(), r.intra, r.intra_size,
+                                     r.process_group))
 
     def strategy(self, dense: bool, dump=None, events: Optional[list] = None,
                  scale: float = 1.0) -> Strategy:
@@ -178,3 +164,26 @@ class BucketPlan:
         if dense:
             return self.dense(scale)
         return self.slow_hop() if self.reduction.slow_hop else self.flat(dump, events)
+
+
+def shard_hop(comp: ShardCompressor, grads, inner, inner_size: int, outer) -> Strategy:
+    """PowerSGD across ``outer`` on the shard this rank holds of a gradient the group
+    ``inner`` (``inner_size`` ranks) has already reduced: ``[L | flag]`` reduce-scattered
+    inside, the slice across, the all-gather inside, then ``[Q_b' | dense | flag]`` across.
+    The slow hop of the partial distributed optimizer and Megatron-FSDP HSDP's outer hop."""
+    bufs, step = comp.start(grads)
+    sent = None
+    if bufs:
+        own = bufs[0].new_empty(bufs[0].numel() // inner_size)
+        yield Phase([reduce_scatter(own, bufs[0], inner)], inline=True)
+        sent = comp.to_send(own)
+    yield Phase([all_reduce(sent, outer, slow_hop=True)] if bufs else [])
+    gathered = []
+    if sent is not None:
+        p_full = sent.new_empty(sent.numel() * inner_size)
+        yield Phase([all_gather(p_full, sent, inner)], inline=True)
+        gathered = [p_full]
+    bufs = comp.middle(step, gathered)
+    yield Phase([all_reduce(b, outer, slow_hop=True) for b in bufs])
+    comp.finish(step, bufs)
+    return step.flags()

@@ -64,8 +64,8 @@ from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.compression.shard import shard_pieces
 from megatron_edgc.compression.shard_powersgd import ShardCompressor, shard_compressor_inputs
 from megatron_edgc.patches import features
-from megatron_edgc.patches.dp_pipeline import (BucketPipeline, Phase, Strategy, all_gather,
-                                               all_reduce, reduce_scatter)
+from megatron_edgc.patches.dp_pipeline import BucketPipeline, Phase, Strategy, all_reduce
+from megatron_edgc.patches.dp_plans import shard_hop
 from megatron_edgc.patches.dp_stats import DPSyncStats
 from megatron_edgc.patches.timing import IntervalClock
 
@@ -179,23 +179,8 @@ class OuterBucketPlan:
         """This rank's shard across instances (the DP patch's slow hop after its fast
         hop, which Megatron-FSDP did): ``[L | flag]`` reduce-scattered inside the instance,
         the slice across, the all-gather inside, then ``[Q_b' | dense | flag]`` across."""
-        comp = self.compressor
-        bufs, step = comp.start(self.grads())
-        sent = None
-        if bufs:
-            own = bufs[0].new_empty(bufs[0].numel() // self.inner_size)
-            yield Phase([reduce_scatter(own, bufs[0], self.inner)], inline=True)
-            sent = comp.to_send(own)
-        yield Phase([all_reduce(sent, self.outer, slow_hop=True)] if bufs else [])
-        gathered = []
-        if sent is not None:
-            p_full = sent.new_empty(sent.numel() * self.inner_size)
-            yield Phase([all_gather(p_full, sent, self.inner)], inline=True)
-            gathered = [p_full]
-        bufs = comp.middle(step, gathered)
-        yield Phase([all_reduce(b, self.outer, slow_hop=True) for b in bufs])
-        comp.finish(step, bufs)
-        return step.flags()
+        return (yield from shard_hop(self.compressor, self.grads(), self.inner,
+                                     self.inner_size, self.outer))
 
 
 def megatron_fsdp_sync_bytes(model, num_microbatches: int) -> tuple:
