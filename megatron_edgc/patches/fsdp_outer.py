@@ -58,7 +58,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_edgc.compression.matrices import matrix_shape
+from megatron_edgc.compression.matrices import FACTOR_DTYPES, matrix_shape
 from megatron_edgc.compression.low_rank_state import LowRankState
 from megatron_edgc.compression.powersgd import BucketCompressor
 from megatron_edgc.compression.shard import shard_pieces
@@ -67,6 +67,7 @@ from megatron_edgc.patches import features
 from megatron_edgc.patches.dp_pipeline import BucketPipeline, Phase, Strategy, all_reduce
 from megatron_edgc.patches.dp_plans import shard_hop
 from megatron_edgc.patches.dp_stats import DPSyncStats
+from megatron_edgc.patches.megatron_buckets import MegatronSyncBytes
 from megatron_edgc.patches.timing import IntervalClock
 
 #: megatron-core release series whose ``_bucket_group_gradient_reduce`` this patch was
@@ -204,6 +205,34 @@ def megatron_fsdp_sync_bytes(model, num_microbatches: int) -> tuple:
     if buffer.dist_index.get_outer_fsdp_group() is None:
         outer = 0
     return inner, outer
+
+
+def hsdp_sync_bytes(chunks, num_microbatches: int) -> MegatronSyncBytes:
+    """:class:`~megatron_edgc.patches.megatron_buckets.MegatronSyncBytes` of Megatron-FSDP
+    HSDP's ``chunks`` (:func:`megatron_fsdp_sync_bytes`; no expert buckets)."""
+    pairs = [megatron_fsdp_sync_bytes(c, num_microbatches) for c in chunks]
+    inner, outer = (sum(v) for v in zip(*pairs)) if pairs else (0, 0)
+    return MegatronSyncBytes(dp=inner + outer, expert=0, slow_hop=outer, has_experts=False,
+                             fsdp_inner=inner)
+
+
+def outer_compression(cfg, chunks, ef_dtype: torch.dtype, ef_note: str,
+                      log: Callable[[str], None]) -> "FSDPOuterCompression":
+    """The runtime's Megatron-FSDP (HSDP) compression: PowerSGD on the outer hop at the
+    run's static rank (the config's rules refuse what it does not do: EDGC's controller,
+    the bypass, the bf16 dense wire; not here yet: the dense fallback), its start-up line
+    logged."""
+    e, p = cfg.edgc, cfg.parallel
+    comp = FSDPOuterCompression(
+        chunks[0], rank=e.rank, start_iter=e.start_iter, seed=cfg.training.seed,
+        min_compression_rate=e.min_compression_rate,
+        factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype)
+    log(f"EDGC: error-feedback state {comp.state_bytes() / 2**20:.1f} MiB per rank "
+        f"at rank {e.rank} ({ef_note} residual, {e.factor_dtype} factors); "
+        f"Megatron-FSDP HSDP ({p.data_parallel_sharding_strategy} inside "
+        f"{p.num_distributed_optimizer_instances} instances): compressing the outer "
+        f"hop only, {len(comp.plans)} buckets (no dense fallback yet)")
+    return comp
 
 
 class FSDPOuterCompression:

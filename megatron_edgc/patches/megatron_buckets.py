@@ -107,6 +107,32 @@ def megatron_sync_bytes(bucket_group) -> tuple:
     return sum(t for t, _ in pairs), sum(s for _, s in pairs)
 
 
+@dataclass(frozen=True)
+class MegatronSyncBytes:
+    """What one rank places into megatron-core's own gradient sync per iteration, without
+    compression: ``dp`` in all, of those ``expert`` over expert-DP and ``slow_hop`` across
+    instances; ``fsdp_inner``: Megatron-FSDP's reduction inside the instance (its outer
+    hop is the ``slow_hop``), which the outer-hop compression leaves as it is."""
+
+    dp: int
+    expert: int
+    slow_hop: int
+    has_experts: bool
+    fsdp_inner: int = 0
+
+
+def ddp_sync_bytes(chunks) -> MegatronSyncBytes:
+    """:class:`MegatronSyncBytes` of megatron-core DDP's ``chunks`` (their bucket groups,
+    MoE's expert buckets apart)."""
+    dense = [megatron_sync_bytes(g) for c in chunks for g in c.bucket_groups]
+    expert = [megatron_sync_bytes(g) for c in chunks for g in c.expert_parallel_bucket_groups]
+    expert_bytes = sum(total for total, _ in expert)
+    return MegatronSyncBytes(dp=expert_bytes + sum(total for total, _ in dense),
+                             expert=expert_bytes,
+                             slow_hop=sum(slow for _, slow in dense + expert),
+                             has_experts=any(c.expert_parallel_bucket_groups for c in chunks))
+
+
 def grad_in_buffer(param) -> torch.Tensor:
     """A parameter's gradient in its bucket's ``grad_data``: its ``main_grad``, or where
     megatron-core 0.19+ accumulates it apart in fp32

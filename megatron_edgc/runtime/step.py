@@ -32,7 +32,8 @@ import torch.distributed as dist
 from megatron_edgc.compression.bypass import LinkModel
 from megatron_edgc.compression.ef_dtype import choose_ef_dtype
 from megatron_edgc.compression.matrices import FACTOR_DTYPES
-from megatron_edgc.patches.ddp import DPGradientCompression, megatron_sync_bytes
+from megatron_edgc.patches.ddp import DPGradientCompression
+from megatron_edgc.patches.megatron_buckets import ddp_sync_bytes
 from megatron_edgc.patches.dp_stats import DPSyncStats
 from megatron_edgc.patches.p2p import CompressingP2PCommunicator, PPSendStats
 from megatron_edgc.patches.timing import StageStamps, StageTimer
@@ -71,7 +72,10 @@ class EdgcRuntime:
         self.dp_compression = self.edgc = self.p2p = None
         fsdp = cfg.parallel.use_megatron_fsdp
         if e.mode != "off" and fsdp:
-            self.dp_compression = self._fsdp_compression(cfg, chunks, device)
+            from megatron_edgc.patches.fsdp_outer import outer_compression
+
+            self.dp_compression = outer_compression(
+                cfg, chunks, *self._ef_dtype(e.ef_dtype, chunks, device), self.log)
             register_rank_state("dp_compression", self.dp_compression.state_dict,
                                 self.dp_compression.load_state_dict)
         elif e.mode != "off":
@@ -118,26 +122,17 @@ class EdgcRuntime:
                                    optimizer=optimizer)
             register_rank_state("edgc", self.edgc.state_dict, self.edgc.load_state_dict,
                                 dp_invariant=True)
-        # megatron-core's own sync: MoE's expert buckets and the slow hop apart
-        #: Megatron-FSDP: its reduction inside the instance, which the outer-hop compression
-        #: leaves as it is (added to the compression's counts, which hold the outer hop)
-        self.fsdp_inner_bytes = 0
+        # megatron-core's own sync: MoE's expert buckets, the slow hop and Megatron-FSDP's
+        # reduction inside the instance (added to its outer-hop compression's counts) apart
         if fsdp:
-            from megatron_edgc.patches.fsdp_outer import megatron_fsdp_sync_bytes
+            from megatron_edgc.patches.fsdp_outer import hsdp_sync_bytes
 
-            pairs = [megatron_fsdp_sync_bytes(c, num_microbatches) for c in chunks]
-            self.fsdp_inner_bytes = sum(inner for inner, _ in pairs)
-            self.dense_expert_bytes, self.has_experts = 0, False
-            self.dense_slow_hop_bytes = sum(outer for _, outer in pairs)
-            self.dense_dp_bytes = self.fsdp_inner_bytes + self.dense_slow_hop_bytes
+            sync = hsdp_sync_bytes(chunks, num_microbatches)
         else:
-            dense = [megatron_sync_bytes(g) for c in chunks for g in c.bucket_groups]
-            expert = [megatron_sync_bytes(g) for c in chunks
-                      for g in c.expert_parallel_bucket_groups]
-            self.dense_expert_bytes = sum(total for total, _ in expert)
-            self.dense_dp_bytes = self.dense_expert_bytes + sum(total for total, _ in dense)
-            self.dense_slow_hop_bytes = sum(slow for _, slow in dense + expert)
-            self.has_experts = any(c.expert_parallel_bucket_groups for c in chunks)
+            sync = ddp_sync_bytes(chunks)
+        self.dense_dp_bytes, self.dense_expert_bytes = sync.dp, sync.expert
+        self.dense_slow_hop_bytes, self.fsdp_inner_bytes = sync.slow_hop, sync.fsdp_inner
+        self.has_experts = sync.has_experts
         self.slow_hop = cfg.parallel.num_distributed_optimizer_instances > 1
         # the controller's entropy sums ride along (GDS's per-stage means need no
         # collective of their own)
@@ -150,27 +145,6 @@ class EdgcRuntime:
         self._step_scale: Optional[torch.Tensor] = None
         #: how often the loss scale changed (a device count, read at the summary)
         self.loss_scale_changes: Optional[torch.Tensor] = None
-
-    def _fsdp_compression(self, cfg, chunks, device: torch.device):
-        """Megatron-FSDP (HSDP): PowerSGD on the outer hop at the static rank
-        (:class:`~megatron_edgc.patches.fsdp_outer.FSDPOuterCompression`; the config's
-        rules refuse what it does not do: EDGC's controller, the bypass, the bf16 dense
-        wire). Not here yet: the dense fallback (``--edgc-fallback-iters``)."""
-        from megatron_edgc.patches.fsdp_outer import FSDPOuterCompression
-
-        e = cfg.edgc
-        ef_dtype, ef_note = self._ef_dtype(e.ef_dtype, chunks, device)
-        comp = FSDPOuterCompression(
-            chunks[0], rank=e.rank, start_iter=e.start_iter, seed=cfg.training.seed,
-            min_compression_rate=e.min_compression_rate,
-            factor_dtype=FACTOR_DTYPES[e.factor_dtype], ef_dtype=ef_dtype)
-        p = cfg.parallel
-        self.log(f"EDGC: error-feedback state {comp.state_bytes() / 2**20:.1f} MiB per rank "
-                 f"at rank {e.rank} ({ef_note} residual, {e.factor_dtype} factors); "
-                 f"Megatron-FSDP HSDP ({p.data_parallel_sharding_strategy} inside "
-                 f"{p.num_distributed_optimizer_instances} instances): compressing the outer "
-                 f"hop only, {len(comp.plans)} buckets (no dense fallback yet)")
-        return comp
 
     @staticmethod
     def _grad_dtypes(chunks) -> list:
